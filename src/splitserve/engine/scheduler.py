@@ -1,0 +1,178 @@
+"""Continuous batching with chunked prefill and preemption by recompute. Pure Python, no torch.
+
+Each step has a token budget (``max_num_batched_tokens``). Running sequences are served
+first, oldest first: a decode costs one token, an unfinished prefill takes the next chunk
+that fits. Waiting sequences are admitted with what is left, their cached prefix skipped.
+When blocks run out, the newest running sequence is preempted: its blocks are freed (they
+stay in the prefix cache) and it goes back to the front of the queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.plan import ScheduledChunk, StepPlan, StepResult
+from splitserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class SequenceUpdate(NamedTuple):
+    seq: Sequence
+    new_token: int | None  # None when the step only advanced the prefill
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.num_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {seq.num_tokens} tokens; the maximum model length is "
+                f"{self.config.max_model_len} (prompt plus at least one generated token)"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    self.finish(seq, "abort")
+                    return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- schedule ------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        budget, preempted = self._schedule_running(plan, budget)
+        if not preempted:
+            self._schedule_waiting(plan, budget)
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, budget: int) -> tuple[int, bool]:
+        preempted = False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_append(seq, n):
+                preempted = True
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                plan.chunks.append(self._chunk(seq, n))
+                budget -= n
+        return budget, preempted
+
+    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            match = bm.match_prefix(seq)
+            n = min(seq.num_tokens - match.num_blocks * bm.block_size, budget)
+            if not bm.can_allocate(match, n, seq):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, match)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            plan.chunks.append(self._chunk(seq, n))
+            budget -= n
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        self.block_manager.append_slots(seq, n)
+        start = seq.num_computed_tokens
+        return ScheduledChunk(
+            request_id=seq.request_id,
+            token_ids=seq.token_ids[start : start + n],
+            start_pos=start,
+            block_table=list(seq.block_table),
+            sample=start + n == seq.num_tokens,
+            params=seq.params,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- update --------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[SequenceUpdate]:
+        """Advance every scheduled sequence past its chunk and apply the sampled tokens."""
+        by_id = {seq.request_id: seq for seq in self.running}
+        updates: list[SequenceUpdate] = []
+        for chunk in plan.chunks:
+            seq = by_id.get(chunk.request_id)
+            if seq is None:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if not chunk.sample:
+                updates.append(SequenceUpdate(seq, None, False))
+                continue
+            token = result.sampled[seq.request_id]
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+            updates.append(SequenceUpdate(seq, token, reason is not None))
+        return updates
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if not params.ignore_eos and token in seq.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
