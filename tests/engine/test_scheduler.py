@@ -131,8 +131,9 @@ def test_preempted_sequence_resumes_from_its_cached_blocks():
     step(s)  # b preempted; a gets its third token, finishes and frees its blocks
     assert a.is_finished and b.num_preemptions == 1
     plan = step(s)
-    # b's two full blocks (positions 0..7) are still cached: only position 8 is recomputed.
-    assert shape(plan) == [("b", 8, 1, True)]
+    # b's blocks were freed last-first, so a's new block evicted b's second block (id 3);
+    # b's first block is still cached and b recomputes from position 4.
+    assert shape(plan) == [("b", 4, 5, True)]
     assert b.output_token_ids == [7, 7, 7] and b.num_cached_tokens == 0
 
 
