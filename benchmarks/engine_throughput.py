@@ -1,0 +1,225 @@
+"""Engine throughput against its peer and against the machine's physical limits.
+
+1. Batch throughput: N requests (prompts of 128-512 tokens, 128 output tokens, ignore_eos)
+   through splitserve vs ``transformers.generate`` with padded batches and its KV cache,
+   same process, same weights. Reports output tokens/s and the ratio.
+2. Batch-1 decode vs the memory-bandwidth roofline: bytes one decode step must read
+   (weights + KV) over the bandwidth of a large tensor copy measured in the same run.
+3. Prefill tokens/s vs the measured float32 matmul peak (FLOP/s).
+
+    python benchmarks/engine_throughput.py [--requests 32] [--hf-batch-sizes 8,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from splitserve import LLM, SamplingParams  # noqa: E402
+from splitserve.models.loader import default_model_path  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--min-prompt", type=int, default=128)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--hf-batch-sizes", default="8,32", help="padded batch sizes tried for the peer")
+    p.add_argument("--decode-context", type=int, default=256, help="prompt length for part 2")
+    p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--json", default=None, help="write the results here")
+    return p.parse_args()
+
+
+def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    # Token ids from the ordinary-text range of the vocabulary (skip the special tokens).
+    return [
+        [rng.randrange(100, vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
+        for _ in range(args.requests)
+    ]
+
+
+def bench_splitserve(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+    llm.engine.block_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
+    return len(prompts) * output_len / elapsed
+
+
+def bench_hf(model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int) -> float:
+    def run(batch: list[list[int]], new_tokens: int) -> None:
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(batch):  # left padding, as decoder-only generation needs
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=pad_id,
+        )
+
+    run(prompts[:2], 4)  # warm-up
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        run(prompts[i : i + batch_size], output_len)
+    return len(prompts) * output_len / (time.perf_counter() - start)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes moved per second (read + write) by a large tensor copy: the practical roofline."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def matmul_peak(n: int = 2048) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def param_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes a decode step reads for weights, non-embedding parameter count)."""
+    seen, total, non_embed = set(), 0, 0
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+        if "embed" not in name:
+            non_embed += p.numel()
+    return total, non_embed
+
+
+def bench_decode(llm: LLM, args: argparse.Namespace, bandwidth: float) -> dict:
+    cfg = llm.engine.model_config
+    prompt = [random.Random(1).randrange(100, cfg.vocab_size) for _ in range(args.decode_context)]
+    params = SamplingParams(max_tokens=args.decode_steps, temperature=0, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0))
+    llm.engine.block_manager.reset_prefix_cache()
+    # Time decode steps only: run the prefill first, then time the rest of the steps.
+    engine = llm.engine
+    engine.add_request("decode-bench", prompt, params)
+    engine.step()
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    elapsed = time.perf_counter() - start
+    weights, _ = param_bytes(engine.runner.model)
+    elem = next(engine.runner.model.parameters()).element_size()
+    avg_ctx = args.decode_context + args.decode_steps / 2
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem * avg_ctx
+    step_bytes = weights + kv
+    tok_s = steps / elapsed
+    roofline = bandwidth / step_bytes
+    return {"tokens_per_s": tok_s, "roofline_tokens_per_s": roofline,
+            "fraction": tok_s / roofline, "bytes_per_step": step_bytes}
+
+
+def bench_prefill(llm: LLM, peak: float, vocab: int) -> dict:
+    engine = llm.engine
+    rng = random.Random(2)
+    prompts = [[rng.randrange(100, vocab) for _ in range(512)] for _ in range(4)]
+    engine.block_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0))
+    elapsed = time.perf_counter() - start
+    cfg = engine.model_config
+    _, non_embed = param_bytes(engine.runner.model)
+    tokens = sum(len(p) for p in prompts)
+    # 2 FLOPs per weight per token, plus causal attention (QK^T and PV) over the context.
+    attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * (512 * 513 / 2) * len(prompts)
+    flops = 2 * non_embed * tokens + attn
+    return {"tokens_per_s": tokens / elapsed, "flops_per_s": flops / elapsed,
+            "fraction_of_peak": flops / elapsed / peak}
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    print(f"config: {vars(args)}  torch={torch.__version__} threads={torch.get_num_threads()}")
+    llm = LLM(threads=args.threads)
+    vocab = llm.engine.model_config.vocab_size
+    prompts = make_prompts(args, vocab)
+    results: dict = {"config": vars(args)}
+
+    ours = bench_splitserve(llm, prompts, args.output_len)
+    results["throughput"] = {"splitserve_tok_s": ours}
+    print(f"[1] splitserve: {ours:.1f} output tok/s")
+    if not args.skip_hf:
+        hf = load_hf()
+        pad = llm.engine.tokenizer.eos_token_ids[0]
+        for bs in map(int, args.hf_batch_sizes.split(",")):
+            peer = bench_hf(hf, prompts, args.output_len, bs, pad)
+            results["throughput"][f"hf_bs{bs}_tok_s"] = peer
+            print(f"[1] transformers.generate batch {bs}: {peer:.1f} tok/s  ratio {ours / peer:.2f}x")
+        best = max(v for k, v in results["throughput"].items() if k.startswith("hf_"))
+        results["throughput"]["ratio_vs_best_hf"] = ours / best
+        print(f"[1] splitserve / best transformers = {ours / best:.2f}x (goal >= 3x)")
+        del hf
+
+    bw = copy_bandwidth()
+    dec = bench_decode(llm, args, bw)
+    results["decode_batch1"] = dict(dec, copy_bandwidth_gb_s=bw / 1e9)
+    print(f"[2] batch-1 decode: {dec['tokens_per_s']:.1f} tok/s; roofline "
+          f"{dec['roofline_tokens_per_s']:.1f} tok/s ({dec['bytes_per_step'] / 1e6:.0f} MB/step at "
+          f"{bw / 1e9:.1f} GB/s) -> {dec['fraction']:.0%} of roofline (goal >= 60%)")
+
+    peak = matmul_peak()
+    pre = bench_prefill(llm, peak, vocab)
+    results["prefill"] = dict(pre, matmul_peak_gflops=peak / 1e9)
+    print(f"[3] prefill: {pre['tokens_per_s']:.0f} tok/s, {pre['flops_per_s'] / 1e9:.1f} GFLOP/s "
+          f"of {peak / 1e9:.1f} GFLOP/s matmul peak -> {pre['fraction_of_peak']:.0%}")
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    results["peak_rss_gb"] = rss
+    print(f"peak RSS: {rss:.2f} GiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def load_hf():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
