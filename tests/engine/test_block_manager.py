@@ -135,3 +135,34 @@ def test_reset_prefix_cache():
     bm.free(a)
     bm.reset_prefix_cache()
     assert bm.match_prefix(make_seq(list(range(9)), "b")).block_ids == []
+
+
+def test_reserve_register_publishes_blocks_into_the_prefix_cache():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    tokens = list(range(12))
+    hashes = hash_blocks(tokens, ROOT, BS)
+    assert bm.cached_prefix(hashes, tokens) == 0
+    reserved = bm.reserve(3)
+    assert reserved == [0, 1, 2] and bm.num_free_blocks == 3
+    bm.register(reserved, hashes, tokens)
+    assert bm.num_free_blocks == 6  # released into the cache, ref 0
+    assert bm.cached_prefix(hashes, tokens) == 3
+    seq = make_seq(tokens + [99])
+    assert bm.match_prefix(seq).block_ids == [0, 1, 2]
+
+
+def test_cached_prefix_stops_at_first_miss_and_checks_tokens():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    tokens = list(range(12))
+    admit(bm, make_seq(tokens[:8]))
+    hashes = hash_blocks(tokens, ROOT, BS)
+    assert bm.cached_prefix(hashes, tokens) == 2
+    assert bm.cached_prefix(hashes, [7] * 12) == 0  # same hashes, other tokens: a miss
+
+
+def test_reserve_fails_cleanly_and_release_returns_blocks():
+    bm = BlockManager(num_blocks=2, block_size=BS)
+    assert bm.reserve(3) is None and bm.num_free_blocks == 2
+    ids = bm.reserve(2)
+    bm.release(ids)
+    assert bm.num_free_blocks == 2

@@ -173,3 +173,26 @@ def test_waiting_request_that_does_not_fit_waits():
     plan = step(s)
     assert [c.request_id for c in plan.chunks] == ["a"]
     assert [q.request_id for q in s.waiting] == ["b"]
+
+
+def test_keep_blocks_holds_kv_after_finishing_until_released():
+    s = make(budget=64)
+    a = seq("a", 9, max_tokens=1)
+    a.keep_blocks = True
+    s.add(a)
+    step(s)
+    assert a.is_finished and a.finish_reason == "length"
+    assert a.block_table == [0, 1, 2] and len(a.block_hashes) == 2
+    assert s.block_manager.num_free_blocks == 13
+    s.block_manager.release(a.block_table)
+    assert s.block_manager.num_free_blocks == 16
+
+
+def test_keep_blocks_is_ignored_on_abort():
+    s = make(budget=64)
+    a = seq("a", 9)
+    a.keep_blocks = True
+    s.add(a)
+    step(s)
+    s.abort("a")
+    assert s.block_manager.num_free_blocks == 16

@@ -147,17 +147,55 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks; the last ones are evicted first (they are the least shared)."""
-        for block_id in reversed(seq.block_table):
+        self.release(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    # ---- blocks that arrive from elsewhere (KV transfer, lower tiers) --------------------
+
+    def cached_prefix(self, hashes: list[BlockHash], token_ids: list[int]) -> int:
+        """How many leading blocks of a chain are already cached here (tokens checked)."""
+        bs = self.block_size
+        for i, h in enumerate(hashes):
+            if self.lookup(h, tuple(token_ids[i * bs : (i + 1) * bs])) is None:
+                return i
+        return len(hashes)
+
+    def reserve(self, num_blocks: int) -> list[int] | None:
+        """Take ``num_blocks`` free blocks (evicting LRU cached ones) to be filled from outside,
+        or ``None`` if there are not enough. Each comes back with ``register`` or ``release``."""
+        if num_blocks > len(self._free):
+            return None
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id = next(iter(self._free))
+            self._evict(block_id)
+            self._take(block_id)
+            block_ids.append(block_id)
+        return block_ids
+
+    def register(self, block_ids: list[int], hashes: list[BlockHash], token_ids: list[int]) -> None:
+        """Publish reserved blocks, now filled with the KV of consecutive full blocks of
+        ``token_ids``, under their hashes, then release them into the prefix cache."""
+        bs = self.block_size
+        for i, (block_id, h) in enumerate(zip(block_ids, hashes, strict=True)):
+            block = self.blocks[block_id]
+            if h not in self._cached and block.hash is None:
+                block.hash, block.token_ids = h, tuple(token_ids[i * bs : (i + 1) * bs])
+                self._cached[h] = block_id
+        self.release(block_ids)
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block (a reservation or a lease)."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            assert block.ref_count >= 0, f"block {block_id} released twice"
             if block.ref_count == 0:
                 self._free[block_id] = None
                 if block.hash is None:
                     self._free.move_to_end(block_id, last=False)
-        seq.block_table = []
-        seq.block_hashes = []
-        seq.num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:
         for block_id in self._free:

@@ -68,7 +68,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if not (seq.keep_blocks and reason != "abort"):
+            self.block_manager.free(seq)
+        # else: the blocks stay referenced for a remote decode; whoever holds the lease
+        # releases ``seq.block_table`` later.
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

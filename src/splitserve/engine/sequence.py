@@ -38,6 +38,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    keep_blocks: bool = False  # prefill for a remote decode: hold the KV after finishing
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
