@@ -1,0 +1,1 @@
+"""Launchers that start a deployment: local processes now, Ray actors later."""

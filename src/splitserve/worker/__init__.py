@@ -1,0 +1,1 @@
+"""One engine behind an OpenAI-compatible HTTP server (``splitserve worker``)."""

@@ -1,0 +1,266 @@
+"""The engine on its own thread, and the bridge that lets asyncio handlers talk to it.
+
+``LLMEngine`` is single-threaded: only the engine thread touches it. Handlers send commands
+(add, abort) through a thread-safe queue; the engine thread answers through per-request
+asyncio queues, fed with one ``call_soon_threadsafe`` per engine step (not per token), so a
+step with 32 running streams wakes the event loop once.
+
+    handler ──_Add/_Abort──▶ SimpleQueue ──▶ engine thread: drain → step() → publish
+       ▲                                                                   │
+       └──── RequestStream.queue ◀── loop.call_soon_threadsafe(_dispatch) ◀┘
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+# How long the idle engine thread sleeps between checks for shutdown; commands wake it at once.
+_IDLE_POLL_S = 0.5
+
+
+class EngineLike(Protocol):
+    """What the worker needs from an engine (``LLMEngine`` provides it)."""
+
+    block_manager: Any  # .num_used_blocks, .num_blocks
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> None: ...
+    def abort_request(self, request_id: str) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[RequestOutput]: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+
+
+class QueueFull(Exception):
+    """The engine's waiting queue is at ``max_waiting``; the client should retry later."""
+
+
+class EngineError(Exception):
+    """The engine failed while running this request (a bug, never the client's fault)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """The engine's load, published by the engine thread after every iteration."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    stream: RequestStream
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+_ACCEPTED = object()
+_STOP = object()
+
+
+class RequestStream:
+    """One request's outputs, as an async iterator. Closing it early aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort the request unless it has finished; safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Runs an engine on a daemon thread; ``add`` and ``abort`` are called from the event loop."""
+
+    def __init__(self, engine: EngineLike, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.load = LoadSnapshot()
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # set if the engine thread itself died
+
+    # ---- lifecycle (event loop side) ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._publish_load()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        if self._thread is not None:
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> RequestStream:
+        """Queue a request and wait until the engine accepts it.
+
+        Raises ``QueueFull``, ``InvalidParameter`` (from the engine) or ``EngineError``
+        before any output, so the caller can still answer with an error status.
+        """
+        if not self.alive:
+            raise EngineError("the engine is not running")
+        stream = RequestStream(self, request_id)
+        self._commands.put(_Add(request_id, prompt_token_ids, params, prompt, stream))
+        try:
+            ack = await stream.queue.get()
+        except asyncio.CancelledError:
+            stream.close()
+            raise
+        if isinstance(ack, BaseException):
+            stream.finished = True
+            raise ack
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # ---- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._drain(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish_load()
+        except BaseException as e:  # the thread must not die silently: /health reports it
+            log.exception("engine thread died")
+            self.error = e
+            self._fail_all(EngineError(f"engine thread died: {e!r}"))
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; wait for one if ``block``. False once asked to stop."""
+        try:
+            cmd = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd is _STOP:
+                self._fail_all(EngineError("the worker is shutting down"))
+                return False
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            if self._streams.pop(cmd.request_id, None) is not None:
+                self.engine.abort_request(cmd.request_id)
+            return
+        if self.max_waiting is not None and self.engine.num_waiting >= self.max_waiting:
+            self._send([(cmd.stream, QueueFull(f"{self.engine.num_waiting} requests waiting"))])
+            return
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.prompt)
+        except ValueError as e:  # InvalidParameter and friends: the client's mistake
+            self._send([(cmd.stream, e)])
+            return
+        self._streams[cmd.request_id] = cmd.stream
+        self._send([(cmd.stream, _ACCEPTED)])
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # Which request broke the step is unknown: fail the ones in flight, keep serving.
+            log.exception("engine step failed; failing %d requests", len(self._streams))
+            self._fail_all(EngineError(f"engine step failed: {e!r}"))
+            return
+        batch = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted by its client while this step ran
+            if out.finished:
+                del self._streams[out.request_id]
+            batch.append((stream, out))
+        self._send(batch)
+
+    def _fail_all(self, error: Exception) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id in streams:
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                log.exception("abort of %s failed", request_id)
+        self._send([(s, error) for s in streams.values()])
+
+    def _send(self, batch: list[tuple[RequestStream, Any]]) -> None:
+        if not batch or self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(_dispatch, batch)
+        except RuntimeError:
+            pass  # the event loop has closed: the worker is exiting and nobody is listening
+
+    def _publish_load(self) -> None:
+        bm = self.engine.block_manager
+        self.load = LoadSnapshot(
+            self.engine.num_running, self.engine.num_waiting, bm.num_used_blocks, bm.num_blocks
+        )
+
+
+def _dispatch(batch: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in batch:
+        stream.queue.put_nowait(item)

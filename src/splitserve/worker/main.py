@@ -1,0 +1,49 @@
+"""``splitserve worker``: load the engine, then serve it over HTTP until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from splitserve.config import EngineConfig
+
+ROLES = ("both", "prefill", "decode")
+# How long uvicorn lets open streams finish after SIGTERM before closing them.
+GRACEFUL_SHUTDOWN_S = 3
+
+
+def run_worker(
+    engine_config: EngineConfig,
+    *,
+    role: str = "both",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_waiting: int | None = None,
+    served_model_name: str | None = None,
+    log_level: str = "info",
+) -> None:
+    """Load the model (the port opens only once it is ready), then serve until stopped."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if role != "both":
+        raise ValueError(f"role {role!r} is not implemented yet; only 'both' (collocated) is")
+    if max_waiting is not None and max_waiting < 0:
+        raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    from splitserve.engine.llm_engine import LLMEngine
+    from splitserve.worker.server import create_app
+
+    engine = LLMEngine(engine_config)
+    app = create_app(
+        engine, api_key=api_key, max_waiting=max_waiting, served_model_name=served_model_name
+    )
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,  # a log line per request costs throughput; /metrics counts them
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )

@@ -1,0 +1,102 @@
+"""Prometheus metrics of one worker, named ``splitserve:*`` (vLLM's names where one exists).
+
+Each app gets its own ``CollectorRegistry`` so several workers can live in one process (tests).
+Gauges read the engine thread's last ``LoadSnapshot`` at scrape time; latencies are measured
+on the event loop as outputs arrive, which is what a client sees minus the network.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from splitserve.engine.outputs import RequestOutput
+from splitserve.worker.async_engine import LoadSnapshot
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+
+
+class WorkerMetrics:
+    """The worker's metrics; ``track()`` returns a per-request recorder."""
+
+    def __init__(self, load: Callable[[], LoadSnapshot]) -> None:
+        self.registry = r = CollectorRegistry()
+        self._gauge("num_requests_running", "Requests in the running batch", r).set_function(
+            lambda: load().running
+        )
+        self._gauge("num_requests_waiting", "Requests waiting to be scheduled", r).set_function(
+            lambda: load().waiting
+        )
+        self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", r).set_function(
+            lambda: _usage(load())
+        )
+        self._gauge("kv_cache_blocks_total", "KV blocks in the pool", r).set_function(
+            lambda: load().kv_blocks_total
+        )
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token", r)
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between tokens", r)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Request latency", r)
+        self.prompt_tokens = Counter("splitserve:prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter(
+            "splitserve:generation_tokens", "Generated tokens", registry=r
+        )
+        self.cached_tokens = Counter(
+            "splitserve:cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache",
+            registry=r,
+        )
+        self.request_success = Counter(
+            "splitserve:request_success", "Finished requests", ["finished_reason"], registry=r
+        )
+        self.request_errors = Counter(
+            "splitserve:request_errors", "Requests answered with an error", ["status"], registry=r
+        )
+
+    @staticmethod
+    def _gauge(name: str, doc: str, registry: CollectorRegistry) -> Gauge:
+        return Gauge(f"splitserve:{name}", doc, registry=registry)
+
+    @staticmethod
+    def _histogram(name: str, doc: str, registry: CollectorRegistry) -> Histogram:
+        return Histogram(f"splitserve:{name}", doc, buckets=_LATENCY_BUCKETS, registry=registry)
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Times one request's outputs and counts its tokens when it finishes."""
+
+    __slots__ = ("_m", "_start", "_last")
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self._m = metrics
+        self._start = time.perf_counter()
+        self._last: float | None = None
+
+    def on_output(self, out: RequestOutput) -> None:
+        t = time.perf_counter()
+        if self._last is None:
+            self._m.ttft.observe(t - self._start)
+        else:
+            self._m.itl.observe(t - self._last)
+        self._last = t
+        if out.finished:
+            self._finish(out, t)
+
+    def _finish(self, out: RequestOutput, t: float) -> None:
+        m = self._m
+        m.e2e.observe(t - self._start)
+        m.prompt_tokens.inc(len(out.prompt_token_ids))
+        m.generation_tokens.inc(len(out.outputs[0].token_ids))
+        m.cached_tokens.inc(out.num_cached_tokens)
+        m.request_success.labels(out.outputs[0].finish_reason or "unknown").inc()
+
+
+def _usage(load: LoadSnapshot) -> float:
+    return load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0

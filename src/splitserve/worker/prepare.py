@@ -1,0 +1,196 @@
+"""Turn a validated OpenAI request into what the engine takes: prompt token ids and params.
+
+Defaults follow OpenAI where it has one: ``temperature`` 1.0, ``top_p`` 1.0, and for text
+completions ``max_tokens`` 16. For chat, where OpenAI lets the reply run to the end of the
+context, an omitted ``max_tokens`` means "the rest of the context window". A prompt plus
+``max_tokens`` that does not fit the context is a 400, as with OpenAI and vLLM, rather than a
+silently shorter reply.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.common.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    _SamplingFields,
+)
+from splitserve.common.sampling_params import InvalidParameter, SamplingParams
+from splitserve.worker.errors import APIError, bad_request
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+# Below this a temperature only produces overflowing logits; treat it as greedy (as vLLM does).
+_GREEDY_BELOW = 1e-5
+_TOOL_CHOICES = (None, "auto", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What request preparation needs to know about the served model."""
+
+    name: str
+    tokenizer: Any  # encode(str) -> ids, apply_chat_template(messages, tools=None) -> ids
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInput:
+    prompt_token_ids: list[int]
+    prompt: str | None
+    params: SamplingParams
+
+
+def chat_input(req: ChatCompletionRequest, model: ModelInfo) -> EngineInput:
+    _check_common(req)
+    if req.logprobs:
+        raise bad_request("logprobs are not supported", param="logprobs")
+    if not (req.tool_choice in _TOOL_CHOICES or req.tool_choice == {"type": "auto"}):
+        raise bad_request("only tool_choice 'auto' and 'none' are supported", param="tool_choice")
+    messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+    tools = req.tools if req.tool_choice != "none" else None
+    try:
+        ids = list(model.tokenizer.apply_chat_template(messages, tools=tools))
+    except Exception as e:  # a template may reject a conversation (role order, missing field)
+        raise bad_request(f"cannot apply the chat template: {e}", param="messages") from e
+    _check_prompt(ids, model, "messages")
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    return EngineInput(ids, None, _sampling_params(req, ids, max_tokens, param, model))
+
+
+def completion_input(req: CompletionRequest, model: ModelInfo) -> EngineInput:
+    _check_common(req)
+    for name in ("echo", "suffix", "logprobs"):
+        if getattr(req, name):
+            raise bad_request(f"{name} is not supported", param=name)
+    if req.best_of not in (None, 1):
+        raise bad_request("best_of must be 1", param="best_of")
+    prompt = _single_prompt(req.prompt)
+    if isinstance(prompt, str):
+        text, ids = prompt, list(model.tokenizer.encode(prompt))
+    else:
+        text, ids = None, prompt
+    _check_prompt(ids, model, "prompt")
+    max_tokens = req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+    return EngineInput(ids, text, _sampling_params(req, ids, max_tokens, "max_tokens", model))
+
+
+def _check_common(req: _SamplingFields) -> None:
+    if req.n not in (None, 1):
+        raise bad_request("only n=1 is supported", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise bad_request(f"{name} is not supported", param=name)
+
+
+def _single_prompt(prompt: str | list) -> str | list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(
+                "send one prompt per request (batched prompts are not supported)", param="prompt"
+            )
+        prompt = prompt[0]
+    if not prompt:
+        raise bad_request("prompt is empty", param="prompt")
+    return prompt
+
+
+def _message_dict(msg: ChatMessage, index: int) -> dict[str, Any]:
+    """The message as a chat template expects it: text content, tool-call arguments as dicts."""
+    out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role}
+    out["content"] = _text_content(msg.content, index)
+    if msg.name is not None:
+        out["name"] = msg.name
+    if msg.tool_call_id is not None:
+        out["tool_call_id"] = msg.tool_call_id
+    if msg.tool_calls:
+        out["tool_calls"] = [
+            _tool_call_dict(tc.model_dump(exclude_none=True)) for tc in msg.tool_calls
+        ]
+    return out
+
+
+def _text_content(content: str | list[dict[str, Any]] | None, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(
+                "only text content parts are supported", param=f"messages.{index}.content"
+            )
+        parts.append(part["text"])
+    return "\n".join(parts)
+
+
+def _tool_call_dict(call: dict[str, Any]) -> dict[str, Any]:
+    # OpenAI sends arguments as a JSON string; HF chat templates iterate them as a mapping.
+    args = call["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            call["function"]["arguments"] = parsed
+    return call
+
+
+def _check_prompt(ids: list[int], model: ModelInfo, param: str) -> None:
+    if not ids:
+        raise bad_request("prompt is empty", param=param)
+    if any(t < 0 or t >= model.vocab_size for t in ids):
+        raise bad_request(f"prompt token ids must be in [0, {model.vocab_size})", param=param)
+    if len(ids) >= model.max_model_len:
+        raise bad_request(
+            f"this model's maximum context length is {model.max_model_len} tokens, "
+            f"but the prompt has {len(ids)} tokens (at least one output token must fit); "
+            "shorten the prompt",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def _sampling_params(
+    req: _SamplingFields, ids: list[int], max_tokens: int | None, param: str, model: ModelInfo
+) -> SamplingParams:
+    room = model.max_model_len - len(ids)
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise bad_request(
+            f"this model's maximum context length is {model.max_model_len} tokens; the prompt "
+            f"has {len(ids)} and {param} asks for {max_tokens} more; lower {param} to at most "
+            f"{room} or shorten the prompt",
+            param=param,
+            code="context_length_exceeded",
+        )
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_k = -1 if req.top_k is None else min(req.top_k, model.vocab_size)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0 if temperature < _GREEDY_BELOW else temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=top_k,
+            seed=req.seed,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            ignore_eos=req.ignore_eos,
+        )
+    except InvalidParameter as e:
+        raise bad_request(str(e), param=e.param) from e
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(
+        404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+    )

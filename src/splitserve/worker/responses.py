@@ -1,0 +1,174 @@
+"""Engine outputs → OpenAI responses: whole ones, and server-sent-event streams.
+
+Stream chunks are built as plain dicts and ``json.dumps``-ed: they are the hot path (one per
+token per client) and their exact shape (``"finish_reason": null``, ``"usage": null`` only
+when usage was asked for) matters to strict clients.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from splitserve.common.protocol import (
+    ChatChoice,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionResponse,
+    ResponseMessage,
+    Usage,
+    now,
+)
+from splitserve.engine.outputs import RequestOutput
+from splitserve.worker.async_engine import EngineError, RequestStream
+from splitserve.worker.metrics import RequestTracker
+
+DONE = "data: [DONE]\n\n"
+
+
+def usage_of(out: RequestOutput) -> Usage:
+    return Usage.of(len(out.prompt_token_ids), len(out.outputs[0].token_ids), out.num_cached_tokens)
+
+
+def chat_response(
+    request_id: str, model: str, out: RequestOutput, kv_transfer_params: dict | None
+) -> ChatCompletionResponse:
+    completion = out.outputs[0]
+    choice = ChatChoice(
+        message=ResponseMessage(content=completion.text), finish_reason=completion.finish_reason
+    )
+    return ChatCompletionResponse(
+        id=request_id,
+        model=model,
+        choices=[choice],
+        usage=usage_of(out),
+        kv_transfer_params=kv_transfer_params,
+    )
+
+
+def completion_response(
+    request_id: str, model: str, out: RequestOutput, kv_transfer_params: dict | None
+) -> CompletionResponse:
+    completion = out.outputs[0]
+    choice = CompletionChoice(text=completion.text, finish_reason=completion.finish_reason)
+    return CompletionResponse(
+        id=request_id,
+        model=model,
+        choices=[choice],
+        usage=usage_of(out),
+        kv_transfer_params=kv_transfer_params,
+    )
+
+
+async def collect(stream: RequestStream, tracker: RequestTracker) -> RequestOutput:
+    """Run a request to the end and return its final output; cancelling it aborts the request."""
+    try:
+        async for out in stream:
+            tracker.on_output(out)
+            if out.finished:
+                return out
+    finally:
+        stream.close()
+    raise EngineError("the request ended without a final output")
+
+
+class _Chunks:
+    """Serialises the chunks of one stream; ``chat`` picks the chat or completions shape."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool) -> None:
+        self.chat = chat
+        self.include_usage = include_usage
+        self.head: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": now(),
+            "model": model,
+        }
+
+    def choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> str:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {
+                "index": 0,
+                "text": text or "",
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        chunk = {**self.head, "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return _sse(chunk)
+
+    def usage(self, out: RequestOutput) -> str:
+        return _sse({**self.head, "choices": [], "usage": usage_of(out).model_dump()})
+
+
+async def sse_events(
+    stream: RequestStream,
+    tracker: RequestTracker,
+    request_id: str,
+    model: str,
+    chat: bool,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """The server-sent events of one streamed completion, ending with ``data: [DONE]``."""
+    chunks = _Chunks(request_id, model, chat, include_usage)
+    if chat:
+        yield chunks.choice("", None, role=True)
+    try:
+        async for out in stream:
+            tracker.on_output(out)
+            if out.delta_text:
+                yield chunks.choice(out.delta_text, None)
+            if out.finished:
+                yield chunks.choice(None if chat else "", out.outputs[0].finish_reason)
+                if include_usage:
+                    yield chunks.usage(out)
+    except EngineError as e:
+        # Headers are gone already: report in-band, the way OpenAI streams report errors.
+        yield _sse(
+            {"error": {"message": str(e), "type": "server_error", "param": None, "code": None}}
+        )
+    finally:
+        # An ``async for`` does not close its iterator when the consumer stops early, so abort
+        # here: this runs when the response closes this generator after a disconnect.
+        stream.close()
+    yield DONE
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that notices a client leaving even while no token is being sent.
+
+    Starlette only watches for ``http.disconnect`` on ASGI servers older than spec 2.4; with
+    uvicorn it relies on a failed write instead, which never comes while a long prefill runs.
+    Closing the body iterator on disconnect is what aborts the request and frees its blocks.
+    """
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def run_then_cancel(func) -> None:
+                try:
+                    await func()
+                except OSError:
+                    pass  # the client went away mid-write
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(run_then_cancel, lambda: self.stream_response(send))
+            await run_then_cancel(lambda: self.listen_for_disconnect(receive))
+        await self.body_iterator.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,239 @@
+"""The worker's HTTP server: the OpenAI API, ``/health``, ``/load`` and ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import Awaitable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from splitserve.common.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    make_id,
+)
+from splitserve.common.sampling_params import InvalidParameter
+from splitserve.worker.async_engine import AsyncEngine, EngineError, EngineLike, QueueFull
+from splitserve.worker.errors import APIError, bad_request, from_validation_error, install_handlers
+from splitserve.worker.metrics import WorkerMetrics
+from splitserve.worker.prepare import (
+    EngineInput,
+    ModelInfo,
+    chat_input,
+    completion_input,
+    model_not_found,
+)
+from splitserve.worker.responses import (
+    SSEResponse,
+    chat_response,
+    collect,
+    completion_response,
+    sse_events,
+)
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its non-streamed response was ready."""
+
+
+def create_app(
+    engine: EngineLike,
+    *,
+    api_key: str | None = None,
+    max_waiting: int | None = None,
+    served_model_name: str | None = None,
+) -> FastAPI:
+    """A FastAPI app serving ``engine``; the engine thread runs for the app's lifespan.
+
+    ``engine`` needs ``tokenizer``, ``model_id``, ``max_model_len`` and
+    ``model_config.vocab_size`` besides the ``EngineLike`` methods.
+    """
+    model = ModelInfo(
+        name=served_model_name or engine.model_id,  # type: ignore[attr-defined]
+        tokenizer=engine.tokenizer,  # type: ignore[attr-defined]
+        max_model_len=engine.max_model_len,  # type: ignore[attr-defined]
+        vocab_size=engine.model_config.vocab_size,  # type: ignore[attr-defined]
+    )
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
+    metrics = WorkerMetrics(lambda: async_engine.load)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        async_engine.shutdown()
+
+    app = FastAPI(title="splitserve worker", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    install_handlers(app)
+    app.include_router(_open_routes(async_engine, metrics))
+    app.include_router(
+        _api_routes(async_engine, metrics, model), dependencies=[Depends(_auth(api_key))]
+    )
+    return app
+
+
+def _auth(api_key: str | None):
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise APIError(
+                401,
+                "Incorrect or missing API key; send 'Authorization: Bearer KEY'",
+                code="invalid_api_key",
+            )
+
+    return check
+
+
+def _open_routes(async_engine: AsyncEngine, metrics: WorkerMetrics) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        if not async_engine.alive:
+            return JSONResponse({"status": "engine not running"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def _api_routes(async_engine: AsyncEngine, metrics: WorkerMetrics, model: ModelInfo) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/load")
+    async def load() -> dict[str, Any]:
+        s = async_engine.load
+        usage = s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0
+        return {
+            "running": s.running,
+            "waiting": s.waiting,
+            "kv_blocks_used": s.kv_blocks_used,
+            "kv_blocks_total": s.kv_blocks_total,
+            "kv_usage": usage,
+        }
+
+    @router.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model.name, max_model_len=model.max_model_len)])
+
+    @router.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = _check_model(await _parse(request, ChatCompletionRequest), model)
+        return await _serve(
+            request, req, chat_input(req, model), True, model, async_engine, metrics
+        )
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = _check_model(await _parse(request, CompletionRequest), model)
+        return await _serve(
+            request, req, completion_input(req, model), False, model, async_engine, metrics
+        )
+
+    return router
+
+
+async def _parse(request: Request, schema: type[M]) -> M:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        # Lone surrogates (legal in JSON escapes) would crash the tokenizer's UTF-8 encoder.
+        json.dumps(body, ensure_ascii=False).encode()
+    except (UnicodeEncodeError, RecursionError, ValueError) as e:
+        raise bad_request(f"the request body is not valid UTF-8 text: {e}") from e
+    try:
+        return schema.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+
+
+def _check_model(req: M, model: ModelInfo) -> M:
+    name = req.model  # type: ignore[attr-defined]
+    if name is not None and name != model.name:
+        raise model_not_found(name)
+    return req
+
+
+async def _serve(
+    request: Request,
+    req: ChatCompletionRequest | CompletionRequest,
+    inp: EngineInput,
+    chat: bool,
+    model: ModelInfo,
+    async_engine: AsyncEngine,
+    metrics: WorkerMetrics,
+) -> Response:
+    request_id = make_id("chatcmpl" if chat else "cmpl")
+    try:
+        stream = await async_engine.add(request_id, inp.prompt_token_ids, inp.params, inp.prompt)
+    except QueueFull as e:
+        metrics.request_errors.labels("429").inc()
+        raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full") from e
+    except InvalidParameter as e:
+        raise bad_request(str(e), param=e.param) from e
+    except EngineError as e:
+        raise APIError(503, str(e), code="engine_unavailable") from e
+    tracker = metrics.track()
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = sse_events(stream, tracker, request_id, model.name, chat, include_usage)
+        return SSEResponse(events, headers={"Cache-Control": "no-cache"})
+    try:
+        out = await _unless_disconnected(request, collect(stream, tracker))
+    except ClientGone:
+        return Response(status_code=499)  # nobody is listening; the request was aborted
+    except EngineError as e:
+        raise APIError(500, str(e)) from e
+    build = chat_response if chat else completion_response
+    return JSONResponse(build(request_id, model.name, out, req.kv_transfer_params).model_dump())
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it (which aborts the request) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,99 @@
+"""``splitserve serve`` and its process launcher: start, answer, stop, leave no process behind."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+
+from splitserve.cluster.local import LocalDeployment, WorkerProcess
+from tests.worker.conftest import free_port, stop_group
+
+# A stand-in worker that starts a child of its own and, optionally, ignores SIGTERM.
+_PARENT = """
+import signal, subprocess, sys, time
+if sys.argv[1] == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+time.sleep(300)
+"""
+
+
+def _descendants_when(proc: subprocess.Popen, count: int, timeout: float = 10.0) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        if len(children) >= count:
+            return children
+        time.sleep(0.05)
+    raise AssertionError(f"expected {count} children of {proc.pid}")
+
+
+def test_stop_ends_each_worker_and_its_children():
+    workers = [
+        WorkerProcess(mode, [sys.executable, "-c", _PARENT, mode], "http://unused")
+        for mode in ("polite", "stubborn")
+    ]
+    deployment = LocalDeployment(workers)
+    for w in workers:
+        w.start()
+    procs = [psutil.Process(w.proc.pid) for w in workers]
+    procs += [c for w in workers for c in _descendants_when(w.proc, 1)]
+    deployment.stop(timeout=2.0)
+    gone, alive = psutil.wait_procs(procs, timeout=5)
+    assert not alive
+
+
+def _read_lines(stream, out: queue.Queue) -> None:
+    for line in stream:
+        out.put(line)
+
+
+def test_serve_starts_answers_and_exits_cleanly_on_sigterm():
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "splitserve.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "256",
+        "--ready-timeout",
+        "180",
+    ]
+    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_read_lines, args=(launcher.stdout, lines), daemon=True).start()
+    try:
+        line = lines.get(timeout=180)
+        url = f"http://127.0.0.1:{port}"
+        assert f"{url}/v1" in line
+        r = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+        family = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(True)]
+        assert len(family) >= 2  # the launcher and its worker
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 0
+        gone, alive = psutil.wait_procs(family, timeout=10)
+        assert not alive, f"orphans left behind: {alive}"
+        assert not _port_open(port)
+    finally:
+        stop_group(launcher)
+
+
+def _port_open(port: int) -> bool:
+    try:
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+        return True
+    except httpx.HTTPError:
+        return False
