@@ -1,0 +1,42 @@
+"""Prefill placement: the least-loaded worker, ties broken toward the prefix's ring owner.
+
+Prefill is compute-bound, so load comes first; but among equally loaded workers the one that
+owns the prompt's shared prefix (its system prompt) on a consistent-hash ring has most
+likely prefilled it before and still holds those blocks, so shared prompts keep hitting the
+same prefill cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from splitserve.router.policies.base import RequestInfo, RoutingPolicy, least_loaded
+from splitserve.router.policies.session import SyncedRing
+from splitserve.router.ring import DEFAULT_VNODES
+from splitserve.router.worker import Worker
+
+
+class PrefixPolicy(RoutingPolicy):
+    """``slack``: workers within this many requests of the least loaded count as tied."""
+
+    name = "prefix"
+
+    def __init__(self, slack: int = 0, vnodes: int = DEFAULT_VNODES) -> None:
+        if slack < 0:
+            raise ValueError(f"slack must be >= 0, got {slack}")
+        self.slack = slack
+        self._ring = SyncedRing(vnodes)
+
+    def select_worker(self, workers: Sequence[Worker], info: RequestInfo) -> Worker | None:
+        if not workers or info.prefix_key is None:
+            return least_loaded(workers)
+        lowest = min(w.load for w in workers)
+        tied = {w.url: w for w in workers if w.load <= lowest + self.slack}
+        url = self._ring.sync(workers).owner(info.prefix_key, lambda u: u in tied)
+        return tied[url] if url is not None else least_loaded(workers)
+
+    def home_worker(self, workers: Sequence[Worker], info: RequestInfo) -> Worker | None:
+        if not workers or info.prefix_key is None:
+            return None
+        url = self._ring.sync(workers).owner(info.prefix_key)
+        return next((w for w in workers if w.url == url), None)

@@ -1,0 +1,65 @@
+"""Sticky sessions: consistent hashing with bounded loads over the session key."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from splitserve.router.policies.base import RequestInfo, RoutingPolicy, least_loaded
+from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_VNODES, HashRing
+from splitserve.router.worker import Worker
+
+
+class SyncedRing:
+    """A ring kept equal to the current candidate set.
+
+    The ring's points depend only on its members, never on the order they joined, so two
+    routers that see the same healthy workers place every key the same way.
+    """
+
+    def __init__(self, vnodes: int = DEFAULT_VNODES) -> None:
+        self.ring = HashRing(vnodes=vnodes)
+
+    def sync(self, workers: Sequence[Worker]) -> HashRing:
+        wanted = {w.url for w in workers}
+        current = self.ring.members
+        if wanted != current:
+            for url in current - wanted:
+                self.ring.remove(url)
+            for url in sorted(wanted - current):
+                self.ring.add(url)
+        return self.ring
+
+
+class SessionPolicy(RoutingPolicy):
+    """Each session has a home worker on the ring; it leaves home only when home is full.
+
+    ``load_factor`` is Mirrokni et al.'s ``c``: no worker holds more than
+    ``ceil(c * average)`` requests, so one heavy session cannot pin its worker into overload.
+    Requests without a session key go to the least-loaded worker.
+    """
+
+    name = "session"
+
+    def __init__(self, load_factor: float = DEFAULT_LOAD_FACTOR, vnodes: int = DEFAULT_VNODES):
+        if load_factor < 1.0:
+            raise ValueError(f"load_factor must be >= 1 (a cap below average), got {load_factor}")
+        self.load_factor = load_factor
+        self._ring = SyncedRing(vnodes)
+
+    def select_worker(self, workers: Sequence[Worker], info: RequestInfo) -> Worker | None:
+        if not workers or info.session_key is None:
+            return least_loaded(workers)
+        ring = self._ring.sync(workers)
+        url = ring.bounded_owner(
+            info.session_key, {w.url: w.load for w in workers}, self.load_factor
+        )
+        return _by_url(workers, url)
+
+    def home_worker(self, workers: Sequence[Worker], info: RequestInfo) -> Worker | None:
+        if not workers or info.session_key is None:
+            return None
+        return _by_url(workers, self._ring.sync(workers).owner(info.session_key))
+
+
+def _by_url(workers: Sequence[Worker], url: str | None) -> Worker | None:
+    return next((w for w in workers if w.url == url), None)
