@@ -121,7 +121,9 @@ class LeaseTable:
         """The live lease of ``request_id``, or None."""
         with self._lock:
             lease = self._leases.get(request_id)
-            return lease if lease is not None and lease.expires_at > self._clock() else None
+            if lease is None or (lease.expires_at <= self._clock() and lease.readers == 0):
+                return None
+            return lease
 
     @contextmanager
     def checkout(self, request_id: str) -> Iterator[Lease]:
@@ -155,7 +157,7 @@ class LeaseTable:
             ended = self._ended.get(request_id)
             detail = f"was {ended}" if ended else "is unknown"
             raise LeaseNotFound(f"lease for request {request_id!r} {detail}")
-        if lease.expires_at <= self._clock():
+        if lease.expires_at <= self._clock() and lease.readers == 0:
             raise LeaseNotFound(f"lease for request {request_id!r} has expired")
         return lease
 
