@@ -1,0 +1,238 @@
+"""The router's HTTP front: the OpenAI endpoints, membership, ``/health`` and ``/metrics``."""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from splitserve.router.config import RouterConfig
+from splitserve.router.errors import RouterError
+from splitserve.router.health import HealthChecker
+from splitserve.router.membership import BreakerConfig, Membership
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.policies import make_policy
+from splitserve.router.proxy import Proxy
+from splitserve.router.ring import DEFAULT_VNODES
+from splitserve.router.worker import ROLES, Worker, healthy_workers
+
+
+def create_app(config: RouterConfig) -> FastAPI:
+    """A router app over ``config``'s workers; probes and the HTTP pool live with the app."""
+    membership = Membership(
+        config.initial_workers(), BreakerConfig(config.failure_threshold, config.cooldown_s)
+    )
+    metrics = RouterMetrics(
+        lambda role: sum(w.role == role for w in healthy_workers(membership.all()))
+    )
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client = _client(config)
+        probe_headers = (
+            {"authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else None
+        )
+        checker = HealthChecker(
+            client,
+            membership.all,
+            membership.report,
+            config.health_interval_s,
+            config.health_timeout_s,
+            probe_headers,
+        )
+        state["proxy"] = Proxy(
+            config,
+            membership,
+            _policy(config, config.policy),
+            _policy(config, config.prefill_policy),
+            client,
+            metrics,
+        )
+        checker.start()
+        try:
+            yield
+        finally:
+            await checker.stop()
+            await client.aclose()
+
+    app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.membership = membership
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+    app.include_router(_open_routes(membership, metrics))
+    app.include_router(_api_routes(state), dependencies=[Depends(_auth(config.api_key))])
+    app.include_router(_admin_routes(membership), dependencies=[Depends(_admin(config))])
+    return app
+
+
+def _client(config: RouterConfig) -> httpx.AsyncClient:
+    # One pool for all workers: keep-alive connections make the added latency a hop, not a
+    # handshake. No total deadline: a long generation streams for as long as it needs.
+    timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
+    limits = httpx.Limits(
+        max_connections=config.max_connections,
+        max_keepalive_connections=config.max_keepalive_connections,
+    )
+    return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+
+def _policy(config: RouterConfig, name: str):
+    options: dict[str, Any] = {}
+    if name in ("session", "prefix") and config.vnodes != DEFAULT_VNODES:
+        options["vnodes"] = config.vnodes
+    if name == "session":
+        options["load_factor"] = config.load_factor
+    return make_policy(name, **options)
+
+
+def _open_routes(membership: Membership, metrics: RouterMetrics) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        serving = membership.candidates("decode")
+        body = {
+            "status": "ok" if serving else "no healthy decode worker",
+            "healthy_decode_workers": len(serving),
+            "workers": len(membership.all()),
+        }
+        return JSONResponse(body, status_code=200 if serving else 503)
+
+    @router.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def _api_routes(state: dict[str, Any]) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await state["proxy"].completion(request, "/v1/chat/completions")
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await state["proxy"].completion(request, "/v1/completions")
+
+    @router.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await state["proxy"].models(request)
+
+    return router
+
+
+def _admin_routes(membership: Membership) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/workers")
+    async def list_workers() -> dict[str, Any]:
+        membership.candidates("decode")  # refresh health flags (breaker cool-downs)
+        return {"workers": [_describe(w) for w in membership.all()]}
+
+    @router.post("/workers")
+    async def add_worker(request: Request) -> JSONResponse:
+        worker = _worker_from(await _body(request))
+        added = membership.add(worker)
+        return JSONResponse(
+            _describe(membership.get(worker.url)), status_code=201 if added else 200
+        )
+
+    @router.delete("/workers/{url:path}")
+    async def remove_worker(url: str) -> dict[str, Any]:
+        worker = membership.remove(url)
+        if worker is None:
+            raise RouterError(
+                404, f"no worker {url!r} in this router", code="worker_not_found", param="url"
+            )
+        return {"url": worker.url, "removed": True}
+
+    return router
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise RouterError(400, f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise RouterError(400, "the request body must be a JSON object")
+    return body
+
+
+def _worker_from(body: dict[str, Any]) -> Worker:
+    url, role = body.get("url"), body.get("role", "both")
+    if not isinstance(url, str) or not url.strip():
+        raise RouterError(400, "'url' must be a non-empty string", param="url")
+    if role not in ROLES:
+        raise RouterError(400, f"'role' must be one of {', '.join(ROLES)}", param="role")
+    return Worker(url, role)
+
+
+def _describe(w: Worker) -> dict[str, Any]:
+    return {
+        "url": w.url,
+        "role": w.role,
+        "healthy": w.healthy,
+        "load": w.load,
+        "in_flight": w.in_flight,
+        "running": w.report.running,
+        "waiting": w.report.waiting,
+        "kv_blocks_used": w.report.kv_blocks_used,
+        "kv_blocks_total": w.report.kv_blocks_total,
+    }
+
+
+def _bearer_check(key: str | None, what: str):
+    expected = f"Bearer {key}".encode() if key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise RouterError(
+                401,
+                f"Incorrect or missing {what}; send 'Authorization: Bearer KEY'",
+                code="invalid_api_key",
+            )
+
+    return check
+
+
+def _auth(api_key: str | None):
+    return _bearer_check(api_key, "API key")
+
+
+def _admin(config: RouterConfig):
+    check = _bearer_check(config.admin_key, "admin key")
+
+    async def guard(request: Request) -> None:
+        if config.admin_key is None:
+            raise RouterError(
+                403,
+                "membership endpoints are disabled: start the router with "
+                "an admin key (--admin-key or --api-key)",
+                code="admin_disabled",
+            )
+        await check(request)
+
+    return guard
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RouterError)
+    async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return RouterError(exc.status_code, str(exc.detail)).response()

@@ -1,0 +1,97 @@
+"""The router's configuration: validated at construction, unknown keys are errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve.router.policies import POLICIES
+from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_VNODES
+from splitserve.router.worker import Worker
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    """Everything ``create_app`` needs.
+
+    ``workers`` are collocated (role ``both``); ``decode`` and ``prefill`` form the
+    disaggregated pools. ``api_key`` guards the OpenAI endpoints, ``admin_key`` (default:
+    ``api_key``) the membership endpoints, and ``worker_api_key`` is what the router sends to
+    the workers (default: the client's own ``Authorization`` header is forwarded).
+    """
+
+    decode: list[str] = field(default_factory=list)
+    prefill: list[str] = field(default_factory=list)
+    workers: list[str] = field(default_factory=list)
+    policy: str = "session"
+    prefill_policy: str = "prefix"
+    load_factor: float = DEFAULT_LOAD_FACTOR
+    vnodes: int = DEFAULT_VNODES
+    api_key: str | None = None
+    admin_key: str | None = None
+    worker_api_key: str | None = None
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    failure_threshold: int = 3
+    cooldown_s: float = 5.0
+    max_retries: int = 2  # further workers tried after the first fails before its first byte
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 600.0
+    max_connections: int = 1024
+    max_keepalive_connections: int = 256
+    # Conditional disaggregation: a remote prefill only when the uncached part of the prompt
+    # (estimated at chars_per_token, since the router does not tokenize) reaches the threshold.
+    disaggregate: bool = False  # off until the workers' side (issue 4) lands
+    remote_prefill_threshold: int = 256
+    chars_per_token: float = 4.0
+    prefix_chars: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("policy", "prefill_policy"):
+            if getattr(self, name) not in POLICIES:
+                known = ", ".join(sorted(POLICIES))
+                raise ValueError(f"{name} must be one of {known}, got {getattr(self, name)!r}")
+        if self.load_factor < 1.0:
+            raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
+        positive = ("vnodes", "failure_threshold", "prefix_chars")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_retries", "remote_prefill_threshold", "cooldown_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in (
+            "health_interval_s",
+            "health_timeout_s",
+            "connect_timeout_s",
+            "read_timeout_s",
+            "chars_per_token",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.admin_key is None:
+            self.admin_key = self.api_key
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> RouterConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown router option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def initial_workers(self) -> list[Worker]:
+        """The command line's workers; a URL listed in two pools is an error."""
+        out: dict[str, Worker] = {}
+        for role, urls in (
+            ("both", self.workers),
+            ("decode", self.decode),
+            ("prefill", self.prefill),
+        ):
+            for url in urls:
+                w = Worker(url, role)
+                if w.url in out:
+                    raise ValueError(f"worker {w.url} is listed twice")
+                out[w.url] = w
+        return list(out.values())

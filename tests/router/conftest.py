@@ -1,0 +1,157 @@
+"""Real processes on loopback: fake workers (subprocesses) and routers (uvicorn threads).
+
+Everything started here is stopped here; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from splitserve.router.app import create_app
+from splitserve.router.config import RouterConfig
+
+FAKE_WORKER = Path(__file__).with_name("fake_worker.py")
+READY_TIMEOUT_S = 30.0
+# One keep-alive client for every test request: a fresh ``httpx.post`` builds a new client
+# (and TLS context) each call, which costs tens of milliseconds.
+HTTP = httpx.Client(timeout=30.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check, timeout_s: float = READY_TIMEOUT_S, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+class FakeWorker:
+    """A fake worker subprocess; ``mode(...)`` steers it, ``seen()`` lists its requests."""
+
+    def __init__(self, name: str, role: str = "both") -> None:
+        self.name, self.role = name, role
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(FAKE_WORKER),
+                "--port",
+                str(self.port),
+                "--name",
+                name,
+                "--role",
+                role,
+            ],
+            start_new_session=True,
+        )
+
+    def wait_ready(self) -> FakeWorker:
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"fake worker {self.name} exited with {self.proc.returncode}")
+            try:
+                return HTTP.get(f"{self.url}/health", timeout=1.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, what=f"fake worker {self.name}")
+        return self
+
+    def mode(self, **state) -> None:
+        HTTP.post(f"{self.url}/_mode", json=state, timeout=5.0).raise_for_status()
+
+    def reset(self) -> None:
+        self.mode(mode="ok", running=0, waiting=0, delay_s=0.0)
+
+    def seen(self) -> list[dict]:
+        return HTTP.get(f"{self.url}/_requests", timeout=5.0).json()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+class RouterServer:
+    """A router app served by uvicorn on a thread of the test process."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.app = create_app(config)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, what="router startup")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def start_workers(*names: str, role: str = "both") -> list[FakeWorker]:
+    workers = [FakeWorker(n, role) for n in names]  # start all, then wait: startups overlap
+    try:
+        return [w.wait_ready() for w in workers]
+    except Exception:
+        for w in workers:
+            w.kill()
+        raise
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_http_client() -> Iterator[None]:
+    yield
+    HTTP.close()
+
+
+@pytest.fixture(scope="session")
+def fake_workers() -> Iterator[list[FakeWorker]]:
+    """Three collocated fake workers shared by the tests that do not kill them."""
+    workers = start_workers("w1", "w2", "w3")
+    yield workers
+    for w in workers:
+        w.kill()
+
+
+@pytest.fixture
+def workers3(fake_workers: list[FakeWorker]) -> list[FakeWorker]:
+    for w in fake_workers:
+        w.reset()
+    return fake_workers
+
+
+@pytest.fixture
+def make_router() -> Iterator:
+    started: list[RouterServer] = []
+
+    def make(**options) -> RouterServer:
+        options.setdefault("health_interval_s", 0.2)
+        router = RouterServer(RouterConfig.from_kwargs(**options))
+        started.append(router)
+        return router
+
+    yield make
+    for r in started:
+        r.stop()

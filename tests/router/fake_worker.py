@@ -1,0 +1,134 @@
+"""A test double for a worker's HTTP contract: canned SSE chunks, /health, /load, faults.
+
+Run as its own process (``python fake_worker.py --port P --name w1``) so tests can kill it.
+Tests steer it at run time through ``POST /_mode`` and read what it received from
+``GET /_requests``. It speaks just enough of the OpenAI API and of the disaggregated
+two-leg protocol (``kv_transfer_params``) to exercise the router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+CHUNKS = 4
+
+
+def create_app(name: str, role: str) -> FastAPI:
+    app = FastAPI()
+    # mode: ok | error500 | unhealthy | die_midstream | slow_first_byte
+    state: dict[str, Any] = {"mode": "ok", "running": 0, "waiting": 0, "delay_s": 0.0}
+    seen: list[dict[str, Any]] = []
+
+    @app.get("/health")
+    async def health():
+        if state["mode"] == "unhealthy":
+            return JSONResponse({"status": "sick"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/load")
+    async def load():
+        return {
+            "running": state["running"],
+            "waiting": state["waiting"],
+            "kv_blocks_used": 0,
+            "kv_blocks_total": 100,
+            "kv_usage": 0.0,
+        }
+
+    @app.post("/_mode")
+    async def set_mode(request: Request):
+        state.update(await request.json())
+        return state
+
+    @app.get("/_requests")
+    async def requests():
+        return seen
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    async def complete(request: Request, chat: bool):
+        body = await request.json()
+        seen.append({"path": request.url.path, "body": body, "headers": dict(request.headers)})
+        if state["mode"] == "error500":
+            return JSONResponse(
+                {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}},
+                status_code=500,
+            )
+        if body.get("max_tokens") == 400:  # a client error passes through untouched
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "bad",
+                        "type": "invalid_request_error",
+                        "param": "max_tokens",
+                        "code": None,
+                    }
+                },
+                status_code=400,
+            )
+        if body.get("stream"):
+            return StreamingResponse(_sse(name, state, chat), media_type="text/event-stream")
+        out: dict[str, Any] = {
+            "id": "x",
+            "model": "fake",
+            "worker": name,
+            "choices": [_choice(name, chat)],
+        }
+        kv = body.get("kv_transfer_params") or {}
+        if kv.get("do_remote_decode") and role in ("prefill", "both"):
+            out["kv_transfer_params"] = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": name,
+                "remote_block_ids": [1, 2],
+            }
+        return out
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await complete(request, True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, False)
+
+    return app
+
+
+def _choice(name: str, chat: bool, i: int | None = None) -> dict[str, Any]:
+    text = name if i is None else f"{name}-{i} "
+    if chat:
+        key = "message" if i is None else "delta"
+        return {"index": 0, key: {"content": text}, "finish_reason": None}
+    return {"index": 0, "text": text, "finish_reason": None}
+
+
+async def _sse(name: str, state: dict[str, Any], chat: bool):
+    if state["mode"] == "slow_first_byte":
+        await asyncio.sleep(state["delay_s"])
+    for i in range(CHUNKS):
+        if state["mode"] == "die_midstream" and i == 2:
+            raise RuntimeError("the worker died mid-stream")  # uvicorn drops the connection
+        yield f"data: {json.dumps({'choices': [_choice(name, chat, i)]})}\n\n".encode()
+        await asyncio.sleep(state["delay_s"])
+    yield b"data: [DONE]\n\n"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--role", default="both")
+    args = parser.parse_args()
+    uvicorn.run(
+        create_app(args.name, args.role), host="127.0.0.1", port=args.port, log_level="warning"
+    )
