@@ -1,0 +1,225 @@
+"""The model runner: owns the paged KV cache, turns a ``StepPlan`` into tensors, runs the
+model and samples. It makes no policy decisions; the scheduler made them all."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from splitserve.engine.plan import ScheduledChunk, StepPlan, StepResult
+from splitserve.engine.sampler import sample
+from splitserve.models.attention import AttentionContext, PrefillSpan, offset_causal_mask
+from splitserve.models.loader import LoadedModel
+
+
+@dataclass(slots=True)
+class _Batch:
+    """One step's model inputs, plus which rows to sample for which chunk."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    ctx: AttentionContext
+    sample_rows: torch.Tensor
+    sample_chunks: list[ScheduledChunk]
+
+
+class ModelRunner:
+    """Runs steps of a loaded model over a paged KV cache of ``num_blocks`` blocks of
+    ``block_size`` tokens, sized to fit ``kv_cache_bytes``.
+
+    The cache is one tensor ``[num_layers, 2 (k, v), num_blocks, block_size, kvh, head_dim]``,
+    so block ``b`` of every layer is ``kv_cache[:, :, b]`` (what a KV transfer moves).
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        block_size: int = 16,
+        kv_cache_bytes: int = 512 * 2**20,
+        max_num_seqs: int = 256,
+        device: str | torch.device = "cpu",
+        threads: int | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if threads is not None:
+            self.set_threads(threads)
+        self.model, self.config = loaded.model, loaded.config
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        cfg, dtype = self.config, self.model.dtype
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+        self.bytes_per_block = per_token * block_size
+        self.num_blocks = kv_cache_bytes // self.bytes_per_block
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={kv_cache_bytes} is less than one KV block "
+                f"({self.bytes_per_block} bytes at block_size={block_size})"
+            )
+        # Zeros, not empty: padded decode gathers read unwritten slots, and masked-out NaNs
+        # would still poison the attention output (0 * NaN).
+        self.kv_cache = torch.zeros(
+            cfg.num_layers,
+            2,
+            self.num_blocks,
+            block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype=dtype,
+            device=self.device,
+        )
+        self.model.bind_kv_cache(self.kv_cache)
+
+    @staticmethod
+    def set_threads(n: int) -> None:
+        """Intra-op CPU threads for torch (process-wide)."""
+        if n < 1:
+            raise ValueError(f"threads must be >= 1, got {n}")
+        torch.set_num_threads(n)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step: write every chunk's KV, and sample for chunks with ``sample=True``."""
+        if not plan:
+            return StepResult()
+        self._bind()
+        batch = self._prepare(plan)
+        with torch.inference_mode():
+            hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
+            if not batch.sample_chunks:
+                return StepResult()
+            logits = self.model.compute_logits(hidden[batch.sample_rows])
+            tokens = sample(
+                logits,
+                [c.params for c in batch.sample_chunks],
+                [c.num_output_tokens for c in batch.sample_chunks],
+            )
+        return StepResult(
+            {c.request_id: t for c, t in zip(batch.sample_chunks, tokens, strict=True)}
+        )
+
+    def last_logits(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+        """Run one step like ``execute`` but return, per chunk, the float32 logits of its last
+        token instead of sampling (tests, scoring tools)."""
+        self._bind()
+        batch = self._prepare(plan, sample_all=True)
+        with torch.inference_mode():
+            hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
+            logits = self.model.compute_logits(hidden[batch.sample_rows])
+        return {c.request_id: row for c, row in zip(batch.sample_chunks, logits, strict=True)}
+
+    def _bind(self) -> None:
+        # Several runners may share one model (tests, a tool next to an engine): make sure
+        # its layers point at this runner's cache.
+        if self.model.kv_cache is not self.kv_cache:
+            self.model.bind_kv_cache(self.kv_cache)
+
+    def _prepare(self, plan: StepPlan, sample_all: bool = False) -> _Batch:
+        if len(plan.chunks) > self.max_num_seqs:
+            raise ValueError(
+                f"step has {len(plan.chunks)} sequences, max_num_seqs is {self.max_num_seqs}"
+            )
+        for chunk in plan.chunks:
+            self._check_chunk(chunk)
+        decodes, prefills = _split(plan.chunks)
+        ordered = decodes + prefills
+        dev = self.device
+        input_ids = torch.tensor(
+            list(chain.from_iterable(c.token_ids for c in ordered)), dtype=torch.long
+        )
+        positions = [np.array([c.start_pos for c in decodes], dtype=np.int64)]
+        positions += [np.arange(c.start_pos, c.context_len, dtype=np.int64) for c in prefills]
+        positions_np = np.concatenate(positions)
+        ctx = self._attention_context(decodes, prefills, positions_np)
+        sample_rows, sample_chunks, offset = [], [], 0
+        for c in ordered:
+            offset += c.num_tokens
+            if c.sample or sample_all:
+                sample_rows.append(offset - 1)
+                sample_chunks.append(c)
+        return _Batch(
+            input_ids.to(dev),
+            torch.from_numpy(positions_np).to(dev),
+            ctx,
+            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sample_chunks,
+        )
+
+    def _attention_context(
+        self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk], positions: np.ndarray
+    ) -> AttentionContext:
+        bs, dev = self.block_size, self.device
+        slots = []
+        tables = mask = None
+        if decodes:
+            table_np, lens = self._decode_tables(decodes)
+            pos = positions[: len(decodes)]
+            slots.append(table_np[np.arange(len(decodes)), pos // bs] * bs + pos % bs)
+            tables = torch.from_numpy(table_np).to(dev)
+            width = table_np.shape[1] * bs
+            mask = (
+                torch.arange(width, device=dev).unsqueeze(0)
+                < torch.from_numpy(lens).to(dev).unsqueeze(1)
+            ).view(len(decodes), 1, 1, width)
+        spans, offset = [], len(decodes)
+        for c in prefills:
+            table = np.asarray(c.block_table[: _blocks_for(c.context_len, bs)], dtype=np.int64)
+            pos = positions[offset : offset + c.num_tokens]
+            slots.append(table[pos // bs] * bs + pos % bs)
+            spans.append(self._prefill_span(c, offset, table))
+            offset += c.num_tokens
+        slot_mapping = torch.from_numpy(np.concatenate(slots)).to(dev)
+        return AttentionContext(slot_mapping, len(decodes), tables, mask, tuple(spans))
+
+    def _prefill_span(self, c: ScheduledChunk, offset: int, table: np.ndarray) -> PrefillSpan:
+        if c.start_pos == 0:
+            return PrefillSpan(offset, c.num_tokens, 0)
+        return PrefillSpan(
+            offset,
+            c.num_tokens,
+            c.start_pos,
+            torch.from_numpy(table).to(self.device),
+            offset_causal_mask(c.start_pos, c.num_tokens, self.device),
+        )
+
+    def _decode_tables(self, decodes: list[ScheduledChunk]) -> tuple[np.ndarray, np.ndarray]:
+        """Block tables padded to the longest (padding points at block 0, masked out) and
+        context lengths, trimmed to the blocks the contexts actually use."""
+        lens = np.array([c.context_len for c in decodes], dtype=np.int64)
+        width = _blocks_for(int(lens.max()), self.block_size)
+        tables = np.zeros((len(decodes), width), dtype=np.int64)
+        for i, c in enumerate(decodes):
+            used = c.block_table[: _blocks_for(c.context_len, self.block_size)]
+            tables[i, : len(used)] = used
+        return tables, lens
+
+    def _check_chunk(self, c: ScheduledChunk) -> None:
+        if not c.token_ids or c.start_pos < 0:
+            raise ValueError(f"request {c.request_id}: chunk needs >= 1 token and start_pos >= 0")
+        needed = _blocks_for(c.context_len, self.block_size)
+        if len(c.block_table) < needed:
+            raise ValueError(
+                f"request {c.request_id}: block table has {len(c.block_table)} "
+                f"blocks, context of {c.context_len} tokens needs {needed}"
+            )
+        used = c.block_table[:needed]
+        if min(used) < 0 or max(used) >= self.num_blocks:
+            raise ValueError(
+                f"request {c.request_id}: block id out of range [0, {self.num_blocks}) in {used}"
+            )
+
+
+def _split(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
+    """Single-token chunks (decodes) run batched; longer ones (prefills) one by one."""
+    decodes = [c for c in chunks if c.num_tokens == 1]
+    prefills = [c for c in chunks if c.num_tokens > 1]
+    return decodes, prefills
+
+
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)

@@ -1,0 +1,16 @@
+"""The llama-family decoder and its loaders (GGUF, HF safetensors)."""
+
+from __future__ import annotations
+
+from splitserve.models.config import ModelConfig
+from splitserve.models.loader import LoadedModel, default_model_path, load_model, resolve_dtype
+from splitserve.models.tokenizer import Tokenizer
+
+__all__ = [
+    "LoadedModel",
+    "ModelConfig",
+    "Tokenizer",
+    "default_model_path",
+    "load_model",
+    "resolve_dtype",
+]

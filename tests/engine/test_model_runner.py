@@ -1,0 +1,140 @@
+"""ModelRunner: KV sizing, plan -> tensors, batching invariance, sampling only where asked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.plan import ScheduledChunk, StepPlan
+from splitserve.models.config import ModelConfig
+from splitserve.models.llama import LlamaForCausalLM
+from splitserve.models.loader import LoadedModel
+
+GREEDY = SamplingParams(temperature=0)
+CONFIG = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
+
+
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Our decoder with random weights: the runner's tests need no checkpoint."""
+    config = ModelConfig(**CONFIG)
+    model = LlamaForCausalLM(config, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        values = torch.randn(p.shape, generator=g) * (0.1 if "norm" in name else 0.3)
+        p.data.copy_(values + (1 if "norm" in name else 0))
+    return LoadedModel(model.eval(), config, None)
+
+
+@pytest.fixture
+def runner() -> ModelRunner:
+    return ModelRunner(tiny_model(), block_size=4, kv_cache_bytes=64 * 2**10)
+
+
+def chunk(rid, tokens, start, table, sample=True, params=GREEDY, n_out=0) -> ScheduledChunk:
+    return ScheduledChunk(rid, tokens, start, table, sample, params, n_out)
+
+
+def test_kv_cache_sizing(runner):
+    # 2 (k, v) * 2 layers * 2 kv heads * 8 dims * 4 bytes = 256 bytes per token
+    assert runner.bytes_per_block == 256 * 4
+    assert runner.num_blocks == 64 * 2**10 // 1024 == 64
+    assert runner.kv_cache.shape == (2, 2, 64, 4, 2, 8)
+    with pytest.raises(ValueError, match="less than one KV block"):
+        ModelRunner(tiny_model(), block_size=4, kv_cache_bytes=1000)
+
+
+def test_bf16_halves_block_bytes():
+    assert (
+        ModelRunner(
+            tiny_model(dtype=torch.bfloat16), block_size=4, kv_cache_bytes=2**16
+        ).bytes_per_block
+        == 512
+    )
+
+
+def test_samples_only_chunks_that_ask(runner):
+    plan = StepPlan(
+        [chunk("a", [1, 2, 3], 0, [0]), chunk("b", [4, 5, 6, 7, 8], 0, [1, 2], sample=False)]
+    )
+    assert set(runner.execute(plan).sampled) == {"a"}
+    assert runner.execute(StepPlan()).sampled == {}
+
+
+def test_writes_kv_into_the_mapped_slots(runner):
+    runner.execute(StepPlan([chunk("a", [1, 2, 3, 4, 5, 6], 0, [7, 3])]))
+    k = runner.kv_cache[0, 0]
+    assert k[7].abs().sum(-1).all() and k[3, :2].abs().sum(-1).all()  # positions 0..5
+    assert not k[3, 2:].any() and not k[0].any()
+
+
+def greedy_run(runner, prompts: dict[str, list[int]], steps: int, together: bool):
+    """Greedy-decode prompts for ``steps`` steps, in one batch or one sequence at a time."""
+    tables = {rid: list(range(8 * i, 8 * i + 8)) for i, rid in enumerate(prompts)}
+    seqs = {rid: list(p) for rid, p in prompts.items()}
+    plans = {rid: chunk(rid, p, 0, tables[rid]) for rid, p in seqs.items()}
+    for step in range(steps):
+        groups = [list(plans.values())] if together else [[c] for c in plans.values()]
+        for group in groups:
+            for rid, token in runner.execute(StepPlan(group)).sampled.items():
+                seqs[rid].append(token)
+        plans = {
+            rid: chunk(rid, s[-1:], len(s) - 1, tables[rid], n_out=step + 1)
+            for rid, s in seqs.items()
+        }
+    return seqs
+
+
+def test_batch_and_alone_agree(runner):
+    prompts = {"a": [5, 9, 3], "b": list(range(1, 12)), "c": [7] * 6, "d": [42]}
+    alone = greedy_run(runner, prompts, steps=12, together=False)
+    assert greedy_run(runner, prompts, steps=12, together=True) == alone
+
+
+def test_runners_sharing_a_model_keep_their_own_cache():
+    loaded = tiny_model()
+    first = ModelRunner(loaded, block_size=4, kv_cache_bytes=2**14)
+    second = ModelRunner(loaded, block_size=4, kv_cache_bytes=2**14)
+    first.execute(StepPlan([chunk("a", [1, 2, 3], 0, [0])]))
+    assert first.kv_cache.any() and not second.kv_cache.any()
+    second.execute(StepPlan([chunk("a", [1, 2, 3], 0, [0])]))
+    assert torch.equal(first.kv_cache, second.kv_cache)
+
+
+def test_seeded_sampling_ignores_batch_mates(runner):
+    seeded = SamplingParams(temperature=1.0, seed=77)
+    alone = runner.execute(StepPlan([chunk("s", [1, 2, 3, 4, 5], 0, [0, 1], params=seeded)]))
+    mates = [
+        chunk("x", [9, 8, 7], 0, [2], params=SamplingParams(temperature=1.0)),
+        chunk("s", [1, 2, 3, 4, 5], 0, [0, 1], params=seeded),
+        chunk("y", [6], 0, [3]),
+    ]
+    assert runner.execute(StepPlan(mates)).sampled["s"] == alone.sampled["s"]
+
+
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (chunk("a", [1, 2, 3, 4, 5], 0, [0]), "block table has 1 blocks"),
+        (chunk("a", [1, 2], 0, [64]), "block id out of range"),
+        (chunk("a", [], 0, [0]), "needs >= 1 token"),
+    ],
+)
+def test_rejects_bad_chunks(runner, bad, message):
+    with pytest.raises(ValueError, match=message):
+        runner.execute(StepPlan([bad]))
+
+
+def test_rejects_too_many_sequences():
+    small = ModelRunner(tiny_model(), block_size=4, kv_cache_bytes=2**14, max_num_seqs=1)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        small.execute(StepPlan([chunk("a", [1], 0, [0]), chunk("b", [2], 0, [1])]))
