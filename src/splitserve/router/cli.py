@@ -1,0 +1,120 @@
+"""``splitserve router``: the command-line front of the router.
+
+Register it with one line in ``splitserve/cli.py``: ``add_router_parser(sub)``; the parser's
+default ``func`` is ``run``. ``python -m splitserve.router.cli ...`` runs it standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from splitserve.router.config import RouterConfig
+from splitserve.router.policies import POLICIES
+
+
+def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``router`` subcommand to ``subparsers``; returns its parser."""
+    p = subparsers.add_parser("router", help="session-aware router in front of workers")
+    add_router_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode workers")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill workers")
+    p.add_argument(
+        "--workers", nargs="+", default=[], metavar="URL", help="collocated workers (role both)"
+    )
+    p.add_argument(
+        "--policy",
+        default="session",
+        choices=sorted(POLICIES),
+        help="decode placement (default: session)",
+    )
+    p.add_argument("--prefill-policy", default="prefix", choices=sorted(POLICIES))
+    p.add_argument(
+        "--load-factor",
+        type=float,
+        default=1.25,
+        help="bounded loads: no worker above ceil(c * average) (default 1.25)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (default: $SPLITSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--admin-key",
+        default=None,
+        help="key for /workers (default: $SPLITSERVE_ADMIN_KEY, else the API key)",
+    )
+    p.add_argument(
+        "--worker-api-key",
+        default=None,
+        help="key sent to the workers (default: $SPLITSERVE_WORKER_API_KEY, "
+        "else the client's own Authorization header)",
+    )
+    p.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS")
+    p.add_argument("--max-retries", type=int, default=2)
+    p.add_argument(
+        "--disaggregate",
+        action="store_true",
+        help="run the two-leg prefill/decode flow when prefill workers exist",
+    )
+    p.add_argument(
+        "--remote-prefill-threshold",
+        type=int,
+        default=256,
+        metavar="TOKENS",
+        help="remote prefill only when the uncached prompt is at least this long",
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The ``RouterConfig`` the parsed arguments describe (environment keys as fallbacks)."""
+    if not (args.decode or args.workers):
+        raise SystemExit("splitserve router: give at least one --decode or --workers URL")
+    return RouterConfig(
+        decode=args.decode,
+        prefill=args.prefill,
+        workers=args.workers,
+        policy=args.policy,
+        prefill_policy=args.prefill_policy,
+        load_factor=args.load_factor,
+        api_key=args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None,
+        admin_key=args.admin_key or os.environ.get("SPLITSERVE_ADMIN_KEY") or None,
+        worker_api_key=args.worker_api_key or os.environ.get("SPLITSERVE_WORKER_API_KEY") or None,
+        health_interval_s=args.health_interval,
+        max_retries=args.max_retries,
+        disaggregate=args.disaggregate,
+        remote_prefill_threshold=args.remote_prefill_threshold,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the router until interrupted."""
+    import uvicorn
+
+    from splitserve.router.app import create_app
+
+    app = create_app(config_from_args(args))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="splitserve router", description=__doc__)
+    add_router_args(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
