@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from splitserve.common.kv_hash import root_hash
+from splitserve.common.kv_hash import hash_blocks, root_hash
 from splitserve.common.sampling_params import InvalidParameter, SamplingParams
 from splitserve.config import EngineConfig
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.engine.outputs import CompletionOutput, RequestOutput
+from splitserve.engine.outputs import CompletionOutput, KeptBlocks, RequestOutput
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
 from splitserve.engine.sequence import Sequence
 
@@ -78,8 +78,13 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         salt: str = "",
+        keep_blocks: bool = False,
     ) -> None:
-        """Queue a request. Raises ``ValueError`` (``InvalidParameter``) on bad input."""
+        """Queue a request. Raises ``ValueError`` (``InvalidParameter``) on bad input.
+
+        ``keep_blocks``: the request is a prefill for a remote decode; when it finishes its
+        KV blocks stay referenced (``RequestOutput.kept_blocks``) until ``release_blocks``.
+        """
         if request_id in self._requests:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
@@ -90,6 +95,7 @@ class LLMEngine:
             root_hash=root_hash(self.model_id, salt),
             eos_token_ids=self.eos_token_ids,
             arrival_time=time.monotonic(),
+            keep_blocks=keep_blocks,
         )
         self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer.decode, stop=list(params.stop))
@@ -107,6 +113,25 @@ class LLMEngine:
                 f"prompt has {len(prompt_token_ids)} tokens; this model's maximum context "
                 f"length is {self.max_model_len} tokens, including at least one output token",
             )
+
+    # ---- KV blocks in and out (disaggregation, tiers) ------------------------------------
+
+    def block_hashes(self, token_ids: list[int], salt: str = "") -> list[bytes]:
+        return hash_blocks(token_ids, root_hash(self.model_id, salt), self.config.block_size)
+
+    def cached_prefix_blocks(self, token_ids: list[int], salt: str = "") -> int:
+        """How many leading full blocks of ``token_ids`` this engine already holds."""
+        return self.block_manager.cached_prefix(self.block_hashes(token_ids, salt), token_ids)
+
+    def reserve_blocks(self, num_blocks: int) -> list[int] | None:
+        return self.block_manager.reserve(num_blocks)
+
+    def register_blocks(self, block_ids: list[int], hashes: list[bytes], token_ids: list[int]) -> None:
+        """Publish reserved blocks that were filled from outside into the prefix cache."""
+        self.block_manager.register(block_ids, hashes, token_ids)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        self.block_manager.release(block_ids)
 
     def abort_request(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None:
@@ -144,8 +169,11 @@ class LLMEngine:
         if detok.stopped and not update.finished:
             self.scheduler.finish(seq, "stop")
         finished = seq.is_finished
+        kept = None
         if finished:
             del self._requests[seq.request_id]
+            if seq.keep_blocks and seq.finish_reason != "abort":
+                kept = KeptBlocks(list(seq.block_table), list(seq.block_hashes))
         return RequestOutput(
             request_id=seq.request_id,
             prompt=request.prompt,
@@ -157,4 +185,5 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             delta_text=delta,
             delta_token_ids=[update.new_token],
+            kept_blocks=kept,
         )

@@ -14,6 +14,18 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class KeptBlocks:
+    """KV blocks a finished prefill holds for a remote decode (``keep_blocks=True``).
+
+    ``block_ids`` are all the request's blocks (released together); the first
+    ``len(hashes)`` of them are full and named by ``hashes``.
+    """
+
+    block_ids: list[int]
+    hashes: list[bytes]
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -24,3 +36,4 @@ class RequestOutput:
     # Streaming helpers: what this step added (text and tokens) since the previous output.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    kept_blocks: KeptBlocks | None = None
