@@ -24,8 +24,9 @@ def make_peer(shm_prefix: str) -> Iterator[Callable[..., Peer]]:
     peers: list[Peer] = []
 
     def make(transport: str, **config: object) -> Peer:
+        server = config.pop("server", {})
         cfg = TransferConfig(secret=config.pop("secret", SECRET), **config)  # type: ignore[arg-type]
-        peers.append(Peer(transport, cfg, shm_prefix))
+        peers.append(Peer(transport, cfg, shm_prefix, **server))  # type: ignore[arg-type]
         return peers[-1]
 
     yield make

@@ -41,15 +41,17 @@ def shm_segments(prefix: str) -> list[str]:
 class Peer:
     """A prefill side (cache, lease table, started server) for one test."""
 
-    def __init__(self, transport: str, config: TransferConfig, shm_prefix: str, seed: int = 0):
+    def __init__(
+        self, transport: str, config: TransferConfig, shm_prefix: str, **server: object
+    ) -> None:
         self.transport = transport
-        self.cache = make_cache(seed)
+        self.cache = make_cache(0)
         self.ended: list[tuple[str, str]] = []
         self.leases = LeaseTable(
             on_end=lambda lease, why: self.ended.append((lease.request_id, why))
         )
         connector = get_connector(transport, config)
-        kwargs = {"segment_prefix": shm_prefix} if transport == "shm" else {}
+        kwargs = {"segment_prefix": shm_prefix, **server} if transport == "shm" else server
         self.server: KVServer = connector.make_server(
             KVCacheBlocks(self.cache), self.leases, **kwargs
         )

@@ -151,9 +151,30 @@ def test_renew_and_release_without_pulling(make_peer, transport: str) -> None:
         client(transport).release(remote)
 
 
-def test_shm_segments_are_unlinked_after_success(make_peer, shm_prefix: str) -> None:
-    peer = make_peer("shm")
+def test_shm_without_pool_unlinks_after_every_pull(make_peer, shm_prefix: str) -> None:
+    peer = make_peer("shm", server={"max_idle_bytes": 0})
     for i in range(3):
         plan = plan_all(peer.offer(f"req-{i}", [i, i + 1]))
+        client("shm").pull(plan, KVCacheBlocks(torch.zeros_like(peer.cache)), [0, 1])
+        assert wait_until(lambda: shm_segments(shm_prefix) == [])
+
+
+def test_shm_pool_reuses_one_segment_and_unlinks_it_at_stop(make_peer, shm_prefix) -> None:
+    peer = make_peer("shm")
+    dst = torch.zeros_like(peer.cache)
+    for i in range(3):
+        plan = plan_all(peer.offer(f"req-{i}", [i, i + 1, i + 2]))
+        client("shm").pull(plan, KVCacheBlocks(dst), [0, 1, 2])
+        assert_blocks_equal(peer.cache, [i, i + 1, i + 2], dst, [0, 1, 2])
+        assert wait_until(lambda: len(peer.server.segments.idle_names()) == 1)
+    assert len(shm_segments(shm_prefix)) == 1
+    peer.server.stop()
+    assert shm_segments(shm_prefix) == []
+
+
+def test_shm_failed_pull_never_returns_its_segment_to_the_pool(make_peer, shm_prefix) -> None:
+    peer = make_peer("shm", fault=FaultInjection(corrupt_block=0))
+    plan = plan_all(peer.offer("req-1", [1, 2]))
+    with pytest.raises(ChecksumMismatch):
         client("shm").pull(plan, KVCacheBlocks(torch.zeros_like(peer.cache)), [0, 1])
     assert wait_until(lambda: shm_segments(shm_prefix) == [])

@@ -12,9 +12,10 @@ go through it::
     SHM_DONE                 ->
                                 unlink segment
 
-The server creates and unlinks every segment, in a ``finally``: on success, on a client
-error or timeout, and on a dropped connection, so nothing is left in ``/dev/shm``. (If the
-server process itself dies, ``multiprocessing``'s resource tracker unlinks its segments.)
+The server creates every segment and unlinks it (``shm_pool.py``): a segment whose pull
+failed (client error, timeout, dropped connection) at once; a healthy one is kept for reuse
+within a byte budget and unlinked at ``stop()``. Nothing outlives the server in ``/dev/shm``;
+if the server process dies, ``multiprocessing``'s resource tracker unlinks its segments.
 The client maps segments without registering them with its own resource tracker, which in
 Python 3.11 would otherwise unlink them under the server or warn at exit. Payloads are
 never encrypted: they do not leave the host, and segments are created mode 0600.
@@ -25,7 +26,6 @@ from __future__ import annotations
 import _posixshmem
 import mmap
 import os
-import secrets
 from collections.abc import Sequence
 from multiprocessing import shared_memory
 
@@ -48,13 +48,15 @@ from splitserve.transfer.payload import (
 )
 from splitserve.transfer.scheduler import LoadPlan
 from splitserve.transfer.server import FaultDrop, ThreadedKVServer
+from splitserve.transfer.shm_pool import DEFAULT_MAX_IDLE_BYTES, SegmentPool
 from splitserve.transfer.wire import Channel, Msg
 
 DEFAULT_SEGMENT_PREFIX = "splitserve-kv-"
 
 
 class ShmKVServer(ThreadedKVServer):
-    """Serves leased blocks through shared-memory segments, one per pull."""
+    """Serves leased blocks through shared-memory segments from a ``SegmentPool``
+    (``max_idle_bytes=0``: a fresh segment per pull, unlinked right after it)."""
 
     def __init__(
         self,
@@ -64,19 +66,23 @@ class ShmKVServer(ThreadedKVServer):
         host: str = "127.0.0.1",
         port: int = 0,
         segment_prefix: str = DEFAULT_SEGMENT_PREFIX,
+        max_idle_bytes: int = DEFAULT_MAX_IDLE_BYTES,
     ) -> None:
         if not segment_prefix.startswith(DEFAULT_SEGMENT_PREFIX) or "/" in segment_prefix:
             raise ValueError(f"segment_prefix must start with {DEFAULT_SEGMENT_PREFIX!r}")
         super().__init__(source, leases, config, host, port)
-        self.segment_prefix = segment_prefix
+        self.segments = SegmentPool(segment_prefix, max_idle_bytes)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        super().stop(timeout_s)
+        self.segments.close()
 
     def serve_pull(
         self, ch: Channel, cipher: PayloadCipher | None, lease: Lease, indices: Sequence[int]
     ) -> None:
         shape, dtype = tuple(self.source.block_shape), self.source.dtype
         size = len(indices) * int(torch.Size(shape).numel()) * dtype.itemsize
-        name = f"{self.segment_prefix}{secrets.token_hex(8)}"
-        segment = shared_memory.SharedMemory(name=name, create=True, size=size)
+        segment, healthy = self.segments.take(size), False
         try:
             meta = self._fill(segment, lease, indices, shape, dtype)
             fault = self.config.fault
@@ -84,9 +90,9 @@ class ShmKVServer(ThreadedKVServer):
                 raise FaultDrop("drop_after_bytes: cut before announcing the segment")
             ch.send(Msg.SHM_READY, pack_batch(meta))
             ch.expect(Msg.SHM_DONE)
+            healthy = True
         finally:
-            segment.unlink()
-            _close(segment)
+            self.segments.give_back(segment, healthy)
 
     def _fill(
         self,
@@ -157,12 +163,13 @@ def _attach(name: str, size: int) -> mmap.mmap:
     try:
         if os.fstat(fd).st_size < size:
             raise ProtocolError(f"segment {name!r} is smaller than the {size} bytes announced")
-        return mmap.mmap(fd, size)
+        # MAP_POPULATE maps every page now, in one call, instead of one fault per 4 KiB page.
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     finally:
         os.close(fd)
 
 
-def _close(mapping: shared_memory.SharedMemory | mmap.mmap) -> None:
+def _close(mapping: mmap.mmap) -> None:
     try:
         mapping.close()
     except BufferError:
@@ -182,8 +189,9 @@ class ShmConnector(KVConnector):
         host: str = "127.0.0.1",
         port: int = 0,
         segment_prefix: str = DEFAULT_SEGMENT_PREFIX,
+        max_idle_bytes: int = DEFAULT_MAX_IDLE_BYTES,
     ) -> ShmKVServer:
-        return ShmKVServer(source, leases, self.config, host, port, segment_prefix)
+        return ShmKVServer(source, leases, self.config, host, port, segment_prefix, max_idle_bytes)
 
     def make_client(self) -> ShmKVClient:
         return ShmKVClient(self.config)
