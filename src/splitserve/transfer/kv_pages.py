@@ -11,6 +11,7 @@ each block's bytes are contiguous (one checksum call, one ``sendall`` slice per 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 
@@ -130,3 +131,31 @@ class KVCacheBlocks:
     def write(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         with self._lock:
             scatter_blocks(self.kv_cache, block_ids, data)
+
+
+class BufferPool:
+    """Reusable ``[n, *block_shape]`` staging buffers, shared by a transport's threads.
+
+    Fresh buffers cost a page fault per 4 KiB on first touch, which at transfer sizes is as
+    much as the copy itself; a few kept buffers make every later pull fault-free.
+    """
+
+    def __init__(self, keep: int = 4) -> None:
+        self._free: list[torch.Tensor] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def take(self, n: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of at least ``n`` blocks (slice it to ``[:n]``)."""
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.shape[0] >= n and tuple(buf.shape[1:]) == shape and buf.dtype == dtype:
+                    return self._free.pop(i)
+        return torch.empty((n, *shape), dtype=dtype)
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            # Keep the largest few: they serve every smaller pull too.
+            self._free.sort(key=lambda b: b.numel(), reverse=True)
+            del self._free[self._keep :]

@@ -19,7 +19,7 @@ from splitserve.transfer.auth import GCM_TAG_BYTES, PayloadCipher, block_aad
 from splitserve.transfer.base import BlockSink, KVConnector, KVServer
 from splitserve.transfer.client import ThreadedKVClient, expect_layout
 from splitserve.transfer.errors import ProtocolError
-from splitserve.transfer.kv_pages import as_bytes, dtype_name
+from splitserve.transfer.kv_pages import BufferPool, as_bytes, dtype_name
 from splitserve.transfer.lease import Lease, LeaseTable
 from splitserve.transfer.payload import (
     BatchMeta,
@@ -38,18 +38,23 @@ from splitserve.transfer.wire import Channel, Msg
 class TcpKVServer(ThreadedKVServer):
     """Serves leased blocks over TCP (see the module docstring for the message flow)."""
 
+    buffers = BufferPool()  # shared by every server in the process, like the cores it saves
+
     def serve_pull(
         self, ch: Channel, cipher: PayloadCipher | None, lease: Lease, indices: Sequence[int]
     ) -> None:
         shape, dtype = tuple(self.source.block_shape), self.source.dtype
         per_chunk = max(1, self.config.chunk_bytes // _nbytes(shape, dtype))
-        buf = torch.empty((min(per_chunk, len(indices)), *shape), dtype=dtype)
+        buf = self.buffers.take(min(per_chunk, len(indices)), shape, dtype)
         out = _Outbox(ch, self.config.fault.drop_after_bytes if self.config.fault else None)
-        for start in range(0, len(indices), per_chunk):
-            chunk = list(indices[start : start + per_chunk])
-            blocks = buf[: len(chunk)]
-            self.source.read_into([lease.block_ids[i] for i in chunk], blocks)
-            self._send_chunk(out, cipher, lease, chunk, as_bytes(blocks))
+        try:
+            for start in range(0, len(indices), per_chunk):
+                chunk = list(indices[start : start + per_chunk])
+                blocks = buf[: len(chunk)]
+                self.source.read_into([lease.block_ids[i] for i in chunk], blocks)
+                self._send_chunk(out, cipher, lease, chunk, as_bytes(blocks))
+        finally:
+            self.buffers.give_back(buf)
         ch.send(Msg.END)
 
     def _send_chunk(
@@ -94,6 +99,8 @@ class TcpKVServer(ThreadedKVServer):
 class TcpKVClient(ThreadedKVClient):
     """Pulls blocks over TCP into a ``BlockSink``."""
 
+    buffers = BufferPool()
+
     def receive(
         self,
         ch: Channel,
@@ -102,8 +109,24 @@ class TcpKVClient(ThreadedKVClient):
         sink: BlockSink,
         dest_block_ids: Sequence[int],
     ) -> int:
+        held: list[torch.Tensor] = []  # the staging buffer, whatever size it grew to
+        try:
+            return self._receive_chunks(ch, cipher, plan, sink, dest_block_ids, held)
+        finally:
+            for buf in held:
+                self.buffers.give_back(buf)
+
+    def _receive_chunks(
+        self,
+        ch: Channel,
+        cipher: PayloadCipher | None,
+        plan: LoadPlan,
+        sink: BlockSink,
+        dest_block_ids: Sequence[int],
+        held: list[torch.Tensor],
+    ) -> int:
         dtype, shape, per_block = expect_layout(sink)
-        hashes, pos, buf = plan.hashes, 0, None
+        hashes, pos = plan.hashes, 0
         while (frame := ch.expect(Msg.BLOCKS, Msg.END)).type is Msg.BLOCKS:
             meta = unpack_batch(frame.meta)
             n = len(meta.entries)
@@ -113,8 +136,11 @@ class TcpKVClient(ThreadedKVClient):
             tag = GCM_TAG_BYTES if cipher else 0
             if frame.payload_len != n * (per_block + tag):
                 raise ProtocolError(f"BLOCKS payload of {frame.payload_len} bytes for {n} blocks")
-            if buf is None or buf.shape[0] < n:
-                buf = torch.empty((n, *shape), dtype=sink.dtype)
+            if not held or held[0].shape[0] < n:
+                if held:
+                    self.buffers.give_back(held.pop())
+                held.append(self.buffers.take(n, shape, sink.dtype))
+            buf = held[0]
             raw = as_bytes(buf[:n])
             _recv_blocks(ch, cipher, plan.remote.request_id, meta.entries, raw)
             for j, entry in enumerate(meta.entries):
