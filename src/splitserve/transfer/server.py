@@ -11,7 +11,7 @@ import logging
 import socket
 import threading
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from splitserve.transfer.auth import PayloadCipher, server_handshake
 from splitserve.transfer.base import BlockSource, KVServer, TransferConfig
@@ -80,7 +80,7 @@ class ThreadedKVServer(KVServer):
 
     # ---- threads -------------------------------------------------------------------------
 
-    def _spawn(self, target, name: str, *args: object) -> None:  # noqa: ANN001
+    def _spawn(self, target: Callable[..., None], name: str, *args: object) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()]

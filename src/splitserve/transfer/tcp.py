@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from splitserve.transfer.auth import GCM_TAG_BYTES, PayloadCipher, block_aad
-from splitserve.transfer.base import BlockSink, KVConnector, KVServer
+from splitserve.transfer.base import BlockSink, BlockSource, KVConnector
 from splitserve.transfer.client import ThreadedKVClient, expect_layout
 from splitserve.transfer.errors import ProtocolError
 from splitserve.transfer.kv_pages import BufferPool, as_bytes, dtype_name
@@ -198,8 +198,8 @@ class TcpConnector(KVConnector):
     name = "tcp"
 
     def make_server(
-        self, source, leases: LeaseTable, host: str = "127.0.0.1", port: int = 0
-    ) -> KVServer:  # noqa: ANN001
+        self, source: BlockSource, leases: LeaseTable, host: str = "127.0.0.1", port: int = 0
+    ) -> TcpKVServer:
         return TcpKVServer(source, leases, self.config, host, port)
 
     def make_client(self) -> TcpKVClient:
