@@ -63,7 +63,9 @@ def bench_splitserve(llm: LLM, prompts: list[list[int]], output_len: int) -> flo
     return len(prompts) * output_len / elapsed
 
 
-def bench_hf(model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int) -> float:
+def bench_hf(
+    model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int
+) -> float:
     def run(batch: list[list[int]], new_tokens: int) -> None:
         width = max(len(p) for p in batch)
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -72,8 +74,13 @@ def bench_hf(model, prompts: list[list[int]], output_len: int, batch_size: int, 
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=pad_id,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=pad_id,
         )
 
     run(prompts[:2], 4)  # warm-up
@@ -143,8 +150,12 @@ def bench_decode(llm: LLM, args: argparse.Namespace, bandwidth: float) -> dict:
     step_bytes = weights + kv
     tok_s = steps / elapsed
     roofline = bandwidth / step_bytes
-    return {"tokens_per_s": tok_s, "roofline_tokens_per_s": roofline,
-            "fraction": tok_s / roofline, "bytes_per_step": step_bytes}
+    return {
+        "tokens_per_s": tok_s,
+        "roofline_tokens_per_s": roofline,
+        "fraction": tok_s / roofline,
+        "bytes_per_step": step_bytes,
+    }
 
 
 def bench_prefill(llm: LLM, peak: float, vocab: int) -> dict:
@@ -161,8 +172,11 @@ def bench_prefill(llm: LLM, peak: float, vocab: int) -> dict:
     # 2 FLOPs per weight per token, plus causal attention (QK^T and PV) over the context.
     attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * (512 * 513 / 2) * len(prompts)
     flops = 2 * non_embed * tokens + attn
-    return {"tokens_per_s": tokens / elapsed, "flops_per_s": flops / elapsed,
-            "fraction_of_peak": flops / elapsed / peak}
+    return {
+        "tokens_per_s": tokens / elapsed,
+        "flops_per_s": flops / elapsed,
+        "fraction_of_peak": flops / elapsed / peak,
+    }
 
 
 def main() -> None:
@@ -184,7 +198,9 @@ def main() -> None:
         for bs in map(int, args.hf_batch_sizes.split(",")):
             peer = bench_hf(hf, prompts, args.output_len, bs, pad)
             results["throughput"][f"hf_bs{bs}_tok_s"] = peer
-            print(f"[1] transformers.generate batch {bs}: {peer:.1f} tok/s  ratio {ours / peer:.2f}x")
+            print(
+                f"[1] transformers.generate batch {bs}: {peer:.1f} tok/s  ratio {ours / peer:.2f}x"
+            )
         best = max(v for k, v in results["throughput"].items() if k.startswith("hf_"))
         results["throughput"]["ratio_vs_best_hf"] = ours / best
         print(f"[1] splitserve / best transformers = {ours / best:.2f}x (goal >= 3x)")
@@ -193,15 +209,19 @@ def main() -> None:
     bw = copy_bandwidth()
     dec = bench_decode(llm, args, bw)
     results["decode_batch1"] = dict(dec, copy_bandwidth_gb_s=bw / 1e9)
-    print(f"[2] batch-1 decode: {dec['tokens_per_s']:.1f} tok/s; roofline "
-          f"{dec['roofline_tokens_per_s']:.1f} tok/s ({dec['bytes_per_step'] / 1e6:.0f} MB/step at "
-          f"{bw / 1e9:.1f} GB/s) -> {dec['fraction']:.0%} of roofline (goal >= 60%)")
+    print(
+        f"[2] batch-1 decode: {dec['tokens_per_s']:.1f} tok/s; roofline "
+        f"{dec['roofline_tokens_per_s']:.1f} tok/s ({dec['bytes_per_step'] / 1e6:.0f} MB/step at "
+        f"{bw / 1e9:.1f} GB/s) -> {dec['fraction']:.0%} of roofline (goal >= 60%)"
+    )
 
     peak = matmul_peak()
     pre = bench_prefill(llm, peak, vocab)
     results["prefill"] = dict(pre, matmul_peak_gflops=peak / 1e9)
-    print(f"[3] prefill: {pre['tokens_per_s']:.0f} tok/s, {pre['flops_per_s'] / 1e9:.1f} GFLOP/s "
-          f"of {peak / 1e9:.1f} GFLOP/s matmul peak -> {pre['fraction_of_peak']:.0%}")
+    print(
+        f"[3] prefill: {pre['tokens_per_s']:.0f} tok/s, {pre['flops_per_s'] / 1e9:.1f} GFLOP/s "
+        f"of {peak / 1e9:.1f} GFLOP/s matmul peak -> {pre['fraction_of_peak']:.0%}"
+    )
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     results["peak_rss_gb"] = rss

@@ -18,7 +18,7 @@ def test_chain_depends_on_every_earlier_block():
     a = hash_blocks(TOKENS, root_hash("m"))
     changed = [7] + TOKENS[1:]
     b = hash_blocks(changed, root_hash("m"))
-    assert all(x != y for x, y in zip(a, b))
+    assert all(x != y for x, y in zip(a, b, strict=True))
 
 
 def test_shared_prefix_shares_hashes():
@@ -56,8 +56,13 @@ def test_stable_across_processes():
         "print(','.join(h.hex() for h in hash_blocks(list(range(100, 150)), root_hash('m', 's'))))"
     )
     runs = [
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       env={"PYTHONHASHSEED": seed}).stdout.strip()
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed},
+        ).stdout.strip()
         for seed in ("1", "2")
     ]
     here = ",".join(h.hex() for h in hash_blocks(TOKENS, root_hash("m", "s")))

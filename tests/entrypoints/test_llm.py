@@ -87,8 +87,9 @@ def test_stop_string_and_stop_token(llm):
     assert out[0].outputs[0].text == base.text[: base.text.index(" 6")]
     assert out[0].outputs[0].finish_reason == "stop"
     stop_tok = base.token_ids[1]
-    out = llm.generate("1, 2, 3, 4,", SamplingParams(max_tokens=12, temperature=0,
-                                                    stop_token_ids=[stop_tok]))
+    out = llm.generate(
+        "1, 2, 3, 4,", SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_tok])
+    )
     assert out[0].outputs[0].token_ids == base.token_ids[:2]
 
 

@@ -27,19 +27,35 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-               "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        _check(_is_number(self.temperature) and self.temperature >= 0,
-               "temperature", f"must be >= 0, got {self.temperature!r}")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
-               "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"must be >= 0, got {self.temperature!r}",
+        )
+        _check(
+            _is_number(self.top_p) and 0 < self.top_p <= 1,
+            "top_p",
+            f"must be in (0, 1], got {self.top_p!r}",
+        )
         _check(isinstance(self.top_k, int), "top_k", f"must be an integer, got {self.top_k!r}")
-        _check(self.seed is None or isinstance(self.seed, int),
-               "seed", f"must be an integer, got {self.seed!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop),
-               "stop", "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids", "must be non-negative integers")
+        _check(
+            self.seed is None or isinstance(self.seed, int),
+            "seed",
+            f"must be an integer, got {self.seed!r}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative integers",
+        )
 
     @property
     def greedy(self) -> bool:

@@ -126,7 +126,9 @@ class LLMEngine:
     def reserve_blocks(self, num_blocks: int) -> list[int] | None:
         return self.block_manager.reserve(num_blocks)
 
-    def register_blocks(self, block_ids: list[int], hashes: list[bytes], token_ids: list[int]) -> None:
+    def register_blocks(
+        self, block_ids: list[int], hashes: list[bytes], token_ids: list[int]
+    ) -> None:
         """Publish reserved blocks that were filled from outside into the prefix cache."""
         self.block_manager.register(block_ids, hashes, token_ids)
 
@@ -178,9 +180,7 @@ class LLMEngine:
             request_id=seq.request_id,
             prompt=request.prompt,
             prompt_token_ids=seq.prompt_token_ids,
-            outputs=[
-                CompletionOutput(0, detok.text, seq.output_token_ids, seq.finish_reason)
-            ],
+            outputs=[CompletionOutput(0, detok.text, seq.output_token_ids, seq.finish_reason)],
             finished=finished,
             num_cached_tokens=seq.num_cached_tokens,
             delta_text=delta,

@@ -1,4 +1,4 @@
-"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+"""The offline API, shaped like vLLM's: ``LLM(model).generate(prompts, SamplingParams(...))``."""
 
 from __future__ import annotations
 
@@ -62,7 +62,10 @@ class LLM:
             raise InvalidParameter("prompt", "prompt is empty")
         if _is_token_ids(prompt):
             return None, list(prompt)
-        raise InvalidParameter("prompt", f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise InvalidParameter(
+            "prompt",
+            f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+        )
 
     def _run(self, requests, params, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
@@ -97,7 +100,9 @@ def _per_prompt(params, n: int) -> list[SamplingParams]:
         return [params] * n
     params = list(params)
     if len(params) != n:
-        raise InvalidParameter("sampling_params", f"got {len(params)} sampling params for {n} prompts")
+        raise InvalidParameter(
+            "sampling_params", f"got {len(params)} sampling params for {n} prompts"
+        )
     return params
 
 
