@@ -135,3 +135,19 @@ def test_worker_role_and_url_normalization():
     assert not Worker("http://x", "prefill").serves("decode")
     with pytest.raises(ValueError, match="worker role"):
         Worker("http://x", "primary")
+
+
+def test_stale_report_of_own_finished_request_does_not_push_a_session_away():
+    # Regression: sequential turns spilled off home (149 of 250 stayed) because the last
+    # /load report still counted this router's own, already finished, request.
+    policy, workers = make_policy("session"), pool(0, 0, 0)
+    info = RequestInfo(session_key="agent-1")
+    home = policy.select_worker(workers, info)
+    home.report, home.report_own = LoadReport(running=1), 1  # probed while our turn ran
+    assert home.load == 0
+    assert policy.select_worker(workers, info) is home
+
+
+def test_load_counts_other_routers_requests_once():
+    w = Worker("http://x", report=LoadReport(running=3, waiting=1), report_own=1, in_flight=2)
+    assert w.load == 2 + 3  # own now + others (4 reported - 1 own)

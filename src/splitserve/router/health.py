@@ -73,15 +73,16 @@ class CircuitBreaker:
 class HealthChecker:
     """Probes every worker on an interval; outcomes go to ``report`` (the membership).
 
-    ``report(url, ok, load)``: ``ok`` is False on a connection error, a timeout or a non-200
-    ``/health``; ``load`` is the parsed ``/load`` when it answered.
+    ``report(url, ok, load, own)``: ``ok`` is False on a connection error, a timeout or a
+    non-200 ``/health``; ``load`` is the parsed ``/load`` when it answered, and ``own`` the
+    most requests this router had in flight there while ``/load`` was asked.
     """
 
     def __init__(
         self,
         client: httpx.AsyncClient,
         workers: Callable[[], list[Worker]],
-        report: Callable[[str, bool, LoadReport | None], None],
+        report: Callable[[str, bool, LoadReport | None, int], None],
         interval_s: float = 1.0,
         timeout_s: float = 2.0,
         headers: dict[str, str] | None = None,
@@ -94,29 +95,31 @@ class HealthChecker:
         self.headers = headers or {}
         self._task: asyncio.Task | None = None
 
-    async def probe(self, worker: Worker) -> tuple[bool, LoadReport | None]:
+    async def probe(self, worker: Worker) -> tuple[bool, LoadReport | None, int]:
         """One ``/health`` and ``/load`` round trip for one worker."""
         try:
             health = await self.client.get(
                 f"{worker.url}/health", timeout=self.timeout_s, headers=self.headers
             )
             if health.status_code != 200:
-                return False, None
+                return False, None, 0
+            own = worker.in_flight
             load = await self.client.get(
                 f"{worker.url}/load", timeout=self.timeout_s, headers=self.headers
             )
+            own = max(own, worker.in_flight)
             data = load.json() if load.status_code == 200 else None
         except (httpx.HTTPError, ValueError) as e:
             log.debug("health probe of %s failed: %r", worker.url, e)
-            return False, None
-        return True, LoadReport.from_json(data) if isinstance(data, dict) else None
+            return False, None, 0
+        return True, LoadReport.from_json(data) if isinstance(data, dict) else None, own
 
     async def check_all(self) -> None:
         """Probe every worker once, concurrently, and report each outcome."""
         workers = self.workers()
         results = await asyncio.gather(*(self.probe(w) for w in workers))
-        for w, (ok, load) in zip(workers, results, strict=True):
-            self.report(w.url, ok, load)
+        for w, (ok, load, own) in zip(workers, results, strict=True):
+            self.report(w.url, ok, load, own)
 
     async def run(self) -> None:
         while True:

@@ -65,8 +65,11 @@ class Membership:
             w.healthy = self._breakers[url].allows()
         return [w for w in healthy_workers(self._workers.values(), role) if w.url not in skip]
 
-    def report(self, url: str, ok: bool, load: LoadReport | None = None) -> None:
-        """A probe or a proxied request succeeded (``ok``) or failed on ``url``."""
+    def report(self, url: str, ok: bool, load: LoadReport | None = None, own: int = 0) -> None:
+        """A probe or a proxied request succeeded (``ok``) or failed on ``url``.
+
+        ``own``: how many of ``load``'s requests were this router's (see ``Worker.load``).
+        """
         breaker = self._breakers.get(url)
         worker = self._workers.get(url)
         if breaker is None or worker is None:
@@ -76,7 +79,7 @@ class Membership:
         else:
             breaker.record_failure()
         if load is not None:
-            worker.report = load
+            worker.report, worker.report_own = load, own
         worker.healthy = breaker.allows()
 
     def roles(self) -> dict[str, list[str]]:

@@ -35,6 +35,7 @@ class Worker:
     healthy: bool = True
     report: LoadReport = field(default_factory=LoadReport)
     in_flight: int = 0  # requests this router has sent there and not yet seen finish
+    report_own: int = 0  # of ``report``'s requests, how many were this router's own
 
     def __post_init__(self) -> None:
         self.url = normalize_url(self.url)
@@ -45,11 +46,13 @@ class Worker:
     def load(self) -> int:
         """Requests on the worker, as best this router knows.
 
-        The report sees every router's traffic but lags by a health-check interval; the
-        in-flight count is exact for this router and immediate. Taking the larger of the two
-        never undercounts a burst this router just placed.
+        This router's own requests come from its in-flight count (exact and immediate); the
+        report adds the others' (other replicas, direct clients), lagging by a probe
+        interval. The report's own share is subtracted: counting a request that has since
+        finished would make a sequential session look like load and push it off its home.
         """
-        return max(self.report.running + self.report.waiting, self.in_flight)
+        others = self.report.running + self.report.waiting - self.report_own
+        return self.in_flight + max(0, others)
 
     def serves(self, role: str) -> bool:
         """Whether this worker can take the ``role`` leg (a collocated worker takes both)."""
