@@ -160,3 +160,23 @@ def test_unknown_routes_and_methods_use_the_error_body(path):
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
     run_app(FakeEngine(), test)
+
+
+def test_metrics_count_tokens_latencies_and_errors():
+    async def test(client: httpx.AsyncClient) -> None:
+        assert (await client.post("/v1/completions", json=completion())).status_code == 200
+        assert (await client.post("/v1/completions", json={"prompt": ""})).status_code == 400
+        text = (await client.get("/metrics")).text
+        for line in (
+            'splitserve:request_success_total{finished_reason="length"} 1.0',
+            'splitserve:request_errors_total{status="400"} 1.0',
+            "splitserve:generation_tokens_total 3.0",
+            "splitserve:prompt_tokens_total 2.0",
+            "splitserve:time_to_first_token_seconds_count 1.0",
+            "splitserve:inter_token_latency_seconds_count 2.0",
+            "splitserve:e2e_request_latency_seconds_count 1.0",
+            "splitserve:kv_cache_usage_perc 0.0",
+        ):
+            assert line in text, line
+
+    run_app(FakeEngine(), test)

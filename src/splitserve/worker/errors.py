@@ -71,6 +71,9 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        metrics = getattr(request.app.state, "metrics", None)
+        if metrics is not None:
+            metrics.request_errors.labels(str(exc.status)).inc()
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)

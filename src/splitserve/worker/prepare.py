@@ -25,6 +25,8 @@ from splitserve.worker.errors import APIError, bad_request
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Below this a temperature only produces overflowing logits; treat it as greedy (as vLLM does).
 _GREEDY_BELOW = 1e-5
+# Tool calls in the output are not parsed yet, so a forced call ("required", a named
+# function) cannot be honoured; "auto" leaves the choice to the model, as the template does.
 _TOOL_CHOICES = (None, "auto", "none")
 
 
@@ -49,7 +51,7 @@ def chat_input(req: ChatCompletionRequest, model: ModelInfo) -> EngineInput:
     _check_common(req)
     if req.logprobs:
         raise bad_request("logprobs are not supported", param="logprobs")
-    if not (req.tool_choice in _TOOL_CHOICES or req.tool_choice == {"type": "auto"}):
+    if req.tool_choice not in _TOOL_CHOICES:
         raise bad_request("only tool_choice 'auto' and 'none' are supported", param="tool_choice")
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
     tools = req.tools if req.tool_choice != "none" else None

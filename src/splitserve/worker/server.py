@@ -197,7 +197,6 @@ async def _serve(
     try:
         stream = await async_engine.add(request_id, inp.prompt_token_ids, inp.params, inp.prompt)
     except QueueFull as e:
-        metrics.request_errors.labels("429").inc()
         raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full") from e
     except InvalidParameter as e:
         raise bad_request(str(e), param=e.param) from e
