@@ -232,12 +232,21 @@ def main() -> None:
 
 
 def load_hf():
-    from transformers import AutoModelForCausalLM
+    """transformers' own Llama on the same GGUF, dequantized by transformers' GGUF loader
+    (``from_pretrained(gguf_file=...)`` would need ``accelerate``)."""
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+    directory, name = os.path.split(path)
+    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
+    model = LlamaForCausalLM(config).float()
+    model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    return model.eval()
 
 
 if __name__ == "__main__":

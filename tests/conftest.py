@@ -16,3 +16,11 @@ def default_model():
     from splitserve.models.loader import load_model
 
     return load_model()
+
+
+# Shared helpers for process-level tests (``from procs import ...``); the importlib import
+# mode does not put the tests directory on sys.path by itself.
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))

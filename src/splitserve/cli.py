@@ -7,10 +7,16 @@ import os
 import sys
 
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.router.cli import add_router_parser
+from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or HF model directory (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or HF model directory (default: bundled SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache pool size")
@@ -49,6 +55,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from splitserve.worker.main import run_worker
 
     config = EngineConfig.from_kwargs(model=args.model, **_engine_options(args))
+    disagg = _disagg_config(args)
     run_worker(
         config,
         role=args.role,
@@ -58,16 +65,87 @@ def cmd_worker(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         served_model_name=args.served_model_name,
         log_level=args.log_level,
+        disagg=disagg,
     )
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from splitserve.cluster.local import serve
+def _disagg_config(args: argparse.Namespace):
+    from splitserve.worker.disagg import DisaggConfig
 
+    return DisaggConfig(
+        role=args.role,
+        transport=args.kv_transport,
+        kv_host=args.kv_host or args.host,
+        kv_port=args.kv_port,
+        secret=_read_secret(args.kv_secret_file),
+        encrypt=args.kv_encrypt,
+        lease_ttl_s=args.kv_lease_ttl,
+        failure_policy=args.kv_load_failure_policy,
+        fault=args.kv_test_fault,
+    )
+
+
+def _read_secret(path: str | None) -> bytes:
+    """The cluster secret for KV transfers: from a file, else $SPLITSERVE_KV_SECRET."""
+    if path is None:
+        return os.environ.get("SPLITSERVE_KV_SECRET", "").encode()
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the KV secret file {path}: {e.strerror}") from e
+    if not secret:
+        raise ValueError(f"the KV secret file {path} is empty")
+    return secret
+
+
+def _add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-transport",
+        default="tcp",
+        choices=["tcp", "shm"],
+        help="how a prefill worker serves KV blocks (shm: same host only)",
+    )
+    p.add_argument("--kv-host", default=None, help="KV transfer bind address (default: --host)")
+    p.add_argument("--kv-port", type=int, default=0, help="KV transfer port (default: any free)")
+    p.add_argument(
+        "--kv-secret-file",
+        default=None,
+        help="cluster secret for KV transfers (default: $SPLITSERVE_KV_SECRET)",
+    )
+    p.add_argument("--kv-encrypt", action="store_true", help="encrypt KV payloads (AES-GCM)")
+    p.add_argument(
+        "--kv-lease-ttl",
+        type=float,
+        default=30.0,
+        help="seconds a prefill worker holds KV for a decode worker to pull",
+    )
+    p.add_argument(
+        "--kv-load-failure-policy",
+        default="recompute",
+        choices=["recompute", "fail"],
+        help="when a KV pull fails: prefill locally (default) or fail the request",
+    )
+    p.add_argument("--kv-test-fault", default=None, help=argparse.SUPPRESS)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from splitserve.cluster.local import Topology, serve
+
+    topology = Topology(
+        prefill=args.prefill,
+        decode=args.decode,
+        threads_per_worker=args.threads_per_worker,
+        kv_transport=args.kv_transport,
+        router_args=["--remote-prefill-threshold", str(args.remote_prefill_threshold)],
+    )
     worker_args = ["--dtype", args.dtype, "--kv-cache-gb", str(args.kv_cache_gb)]
-    for flag, value in (("--threads", args.threads), ("--max-model-len", args.max_model_len),
-                        ("--max-waiting", args.max_waiting)):
+    for flag, value in (
+        ("--threads", args.threads),
+        ("--max-model-len", args.max_model_len),
+        ("--max-waiting", args.max_waiting),
+    ):
         if value is not None:
             worker_args += [flag, str(value)]
     return serve(
@@ -77,16 +155,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         worker_args=worker_args,
         api_key=args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None,
         ready_timeout=args.ready_timeout,
+        topology=topology,
     )
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (default: $SPLITSERVE_API_KEY)")
-    p.add_argument("--max-waiting", type=int, default=None,
-                   help="answer 429 when this many requests are already waiting")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (default: $SPLITSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="answer 429 when this many requests are already waiting",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,26 +184,51 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument(
+        "--raw", action="store_true", help="send the prompt as is, without the chat template"
+    )
     _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     worker = sub.add_parser("worker", help="serve one engine over the OpenAI HTTP API")
     worker.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
-    worker.add_argument("--served-model-name", default=None,
-                        help="the model name clients send (default: the model's id)")
-    worker.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+    worker.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: the model's id)",
+    )
+    worker.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
     _add_server_args(worker)
     _add_engine_args(worker)
+    _add_kv_transfer_args(worker)
     worker.set_defaults(func=cmd_worker)
 
-    serve = sub.add_parser("serve", help="start a deployment (for now: one collocated worker)")
-    serve.add_argument("--ready-timeout", type=float, default=600.0,
-                       help="seconds to wait for the workers to load their model")
+    serve = sub.add_parser(
+        "serve", help="start a deployment: one collocated worker, or P/D pools behind the router"
+    )
+    serve.add_argument("--prefill", type=int, default=0, metavar="N", help="prefill workers")
+    serve.add_argument("--decode", type=int, default=0, metavar="M", help="decode workers")
+    serve.add_argument("--threads-per-worker", type=int, default=None, metavar="T")
+    serve.add_argument("--kv-transport", default="tcp", choices=["tcp", "shm"])
+    serve.add_argument(
+        "--remote-prefill-threshold",
+        type=int,
+        default=DEFAULT_REMOTE_PREFILL_THRESHOLD,
+        metavar="TOKENS",
+        help="prefill remotely only when the uncached prompt is at least this long",
+    )
+    serve.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the workers to load their model",
+    )
     _add_server_args(serve)
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+    add_router_parser(sub)
     return parser
 
 

@@ -166,3 +166,13 @@ def test_reserve_fails_cleanly_and_release_returns_blocks():
     ids = bm.reserve(2)
     bm.release(ids)
     assert bm.num_free_blocks == 2
+
+
+def test_register_from_a_later_block():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    tokens = list(range(12))
+    hashes = hash_blocks(tokens, ROOT, BS)
+    admit(bm, make_seq(tokens[:4]))  # block 0 cached here already
+    reserved = bm.reserve(2)
+    bm.register(reserved, hashes[1:], tokens, start_block=1)
+    assert bm.cached_prefix(hashes, tokens) == 3

@@ -50,7 +50,9 @@ class FakeEngine:
         self.waiting: list[_Req] = []
         self.running: list[_Req] = []
 
-    def add_request(self, request_id, prompt_token_ids, params, prompt=None) -> None:
+    def add_request(
+        self, request_id, prompt_token_ids, params, prompt=None, keep_blocks=False
+    ) -> None:
         self.waiting.append(_Req(request_id, list(prompt_token_ids), params))
 
     def abort_request(self, request_id: str) -> None:

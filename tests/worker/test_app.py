@@ -131,6 +131,7 @@ def test_load_reports_running_requests_and_blocks():
             "kv_blocks_used": 0,
             "kv_blocks_total": 100,
             "kv_usage": 0.0,
+            "kv_blocks_leased": 0,
         }
         task = asyncio.create_task(client.post("/v1/completions", json=completion(200)))
         await _until_async(client, lambda load: load["running"] == 1)

@@ -8,7 +8,9 @@ outlive it. On Linux a worker also gets SIGTERM if the launcher dies without cle
 from __future__ import annotations
 
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -64,23 +66,29 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def worker_argv(host: str, port: int, model: str | None, extra: Sequence[str] = ()) -> list[str]:
-    """The command line of one collocated worker."""
-    argv = [
-        sys.executable,
-        "-m",
-        "splitserve.cli",
-        "worker",
-        "--role",
-        "both",
-        "--host",
-        host,
-        "--port",
-        str(port),
-    ]
+def worker_argv(
+    host: str, port: int, model: str | None, extra: Sequence[str] = (), role: str = "both"
+) -> list[str]:
+    """The command line of one worker."""
+    argv = [sys.executable, "-m", "splitserve.cli", "worker", "--role", role]
+    argv += ["--host", host, "--port", str(port)]
     if model is not None:
         argv += ["--model", model]
     return argv + list(extra)
+
+
+def router_argv(host: str, port: int, prefill: list[str], decode: list[str], extra=()) -> list[str]:
+    argv = [sys.executable, "-m", "splitserve.cli", "router", "--host", host, "--port", str(port)]
+    argv += ["--decode", *decode, "--log-level", "warning"]
+    if prefill:
+        argv += ["--prefill", *prefill, "--disaggregate"]
+    return argv + list(extra)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class LocalDeployment:
@@ -131,6 +139,28 @@ class LocalDeployment:
             w.proc.wait()
 
 
+@dataclass(slots=True)
+class Topology:
+    """What to start: one collocated worker (the default), or prefill and decode pools
+    behind the router. ``threads_per_worker`` keeps the pools from fighting over cores."""
+
+    prefill: int = 0
+    decode: int = 0
+    threads_per_worker: int | None = None
+    kv_transport: str = "tcp"
+    router_args: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 0:
+            raise ValueError("--prefill and --decode must be >= 0")
+        if self.prefill and not self.decode:
+            raise ValueError("prefill workers need at least one decode worker (--decode M)")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.decode > 0
+
+
 def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -138,27 +168,67 @@ def serve(
     worker_args: Sequence[str] = (),
     api_key: str | None = None,
     ready_timeout: float = 600.0,
+    topology: Topology | None = None,
 ) -> int:
-    """Run one collocated worker until SIGINT/SIGTERM; return the process exit code."""
+    """Run the deployment until SIGINT/SIGTERM; return the process exit code."""
+    topology = topology or Topology()
     env = {"SPLITSERVE_API_KEY": api_key} if api_key else {}
     url = f"http://{host}:{port}"
-    worker = WorkerProcess("worker-0", worker_argv(host, port, model, worker_args), url, env)
-    deployment = LocalDeployment([worker])
+    if topology.disaggregated:
+        stages = _pools(host, port, model, worker_args, env, topology)
+    else:
+        argv = worker_argv(host, port, model, worker_args)
+        stages = [LocalDeployment([WorkerProcess("worker-0", argv, url, env)])]
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if not deployment.start(ready_timeout, stop):
-            if stop.is_set():
-                return 0
-            print(f"splitserve: the worker did not become healthy at {url}", file=sys.stderr)
-            return 1
+        for stage in stages:  # workers first, then the router in front of them
+            if not stage.start(ready_timeout, stop):
+                if stop.is_set():
+                    return 0
+                names = ", ".join(w.name for w in stage.workers)
+                print(f"splitserve: {names} did not become healthy", file=sys.stderr)
+                return 1
         print(f"splitserve: serving the OpenAI API at {url}/v1 (Ctrl-C to stop)", flush=True)
-        code = deployment.wait(stop)
-        if code is not None:
-            print(f"splitserve: the worker exited with code {code}", file=sys.stderr)
-            return 1
+        for code in (stage.wait(stop) for stage in stages[-1:]):
+            if code is not None:
+                print(f"splitserve: a process exited with code {code}", file=sys.stderr)
+                return 1
         return 0
     finally:
-        deployment.stop()
+        for stage in reversed(stages):
+            stage.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _pools(
+    host: str,
+    port: int,
+    model: str | None,
+    worker_args: Sequence[str],
+    env: dict[str, str],
+    topology: Topology,
+) -> list[LocalDeployment]:
+    """Prefill and decode workers on free ports sharing a fresh cluster secret, and the
+    router on ``port``."""
+    env = {**env, "SPLITSERVE_KV_SECRET": secrets.token_hex(32)}
+    extra = list(worker_args)
+    if topology.threads_per_worker is not None:
+        extra += ["--threads", str(topology.threads_per_worker)]
+    workers: list[WorkerProcess] = []
+    for role, count in (("prefill", topology.prefill), ("decode", topology.decode)):
+        for i in range(count):
+            wport = free_port(host)
+            args = extra + (["--kv-transport", topology.kv_transport] if role == "prefill" else [])
+            argv = worker_argv(host, wport, model, args, role=role)
+            workers.append(WorkerProcess(f"{role}-{i}", argv, f"http://{host}:{wport}", env))
+    urls = {
+        role: [w.url for w in workers if w.name.startswith(role)] for role in ("prefill", "decode")
+    }
+    router_env = dict(env)
+    if "SPLITSERVE_API_KEY" in env:
+        router_env["SPLITSERVE_WORKER_API_KEY"] = env["SPLITSERVE_API_KEY"]
+    argv = router_argv(host, port, urls["prefill"], urls["decode"], topology.router_args)
+    router = WorkerProcess("router", argv, f"http://{host}:{port}", router_env)
+    return [LocalDeployment(workers), LocalDeployment([router])]

@@ -177,11 +177,18 @@ class BlockManager:
             block_ids.append(block_id)
         return block_ids
 
-    def register(self, block_ids: list[int], hashes: list[BlockHash], token_ids: list[int]) -> None:
-        """Publish reserved blocks, now filled with the KV of consecutive full blocks of
-        ``token_ids``, under their hashes, then release them into the prefix cache."""
+    def register(
+        self,
+        block_ids: list[int],
+        hashes: list[BlockHash],
+        token_ids: list[int],
+        start_block: int = 0,
+    ) -> None:
+        """Publish reserved blocks, now filled with the KV of the consecutive full blocks
+        ``start_block, start_block + 1, ...`` of ``token_ids``, under their hashes, then
+        release them into the prefix cache."""
         bs = self.block_size
-        for i, (block_id, h) in enumerate(zip(block_ids, hashes, strict=True)):
+        for i, (block_id, h) in enumerate(zip(block_ids, hashes, strict=True), start_block):
             block = self.blocks[block_id]
             if h not in self._cached and block.hash is None:
                 block.hash, block.token_ids = h, tuple(token_ids[i * bs : (i + 1) * bs])

@@ -127,10 +127,10 @@ class LLMEngine:
         return self.block_manager.reserve(num_blocks)
 
     def register_blocks(
-        self, block_ids: list[int], hashes: list[bytes], token_ids: list[int]
+        self, block_ids: list[int], hashes: list[bytes], token_ids: list[int], start_block: int = 0
     ) -> None:
         """Publish reserved blocks that were filled from outside into the prefix cache."""
-        self.block_manager.register(block_ids, hashes, token_ids)
+        self.block_manager.register(block_ids, hashes, token_ids, start_block)
 
     def release_blocks(self, block_ids: list[int]) -> None:
         self.block_manager.release(block_ids)

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD, RouterConfig
 from splitserve.router.policies import POLICIES
 
 
@@ -69,7 +69,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--remote-prefill-threshold",
         type=int,
-        default=256,
+        default=DEFAULT_REMOTE_PREFILL_THRESHOLD,
         metavar="TOKENS",
         help="remote prefill only when the uncached prompt is at least this long",
     )

@@ -10,6 +10,10 @@ from splitserve.router.policies import POLICIES
 from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_VNODES
 from splitserve.router.worker import Worker
 
+# Below this many uncached prompt tokens the decode worker prefills locally: a remote leg
+# costs a second HTTP round trip plus the transfer. See docs/benchmarks.md (KV transfer).
+DEFAULT_REMOTE_PREFILL_THRESHOLD = 256
+
 
 @dataclass(slots=True)
 class RouterConfig:
@@ -43,7 +47,7 @@ class RouterConfig:
     # Conditional disaggregation: a remote prefill only when the uncached part of the prompt
     # (estimated at chars_per_token, since the router does not tokenize) reaches the threshold.
     disaggregate: bool = False  # off until the workers' side (issue 4) lands
-    remote_prefill_threshold: int = 256
+    remote_prefill_threshold: int = DEFAULT_REMOTE_PREFILL_THRESHOLD
     chars_per_token: float = 4.0
     prefix_chars: int = 512
 

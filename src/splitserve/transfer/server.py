@@ -50,6 +50,11 @@ class ThreadedKVServer(KVServer):
         self._blocks_served = 0  # counts blocks across the server's life, for corrupt_block
 
     @property
+    def blocks_served(self) -> int:
+        """Blocks sent to decode workers over this server's life."""
+        return self._blocks_served
+
+    @property
     def address(self) -> tuple[str, int]:
         if self._listener is None:
             raise RuntimeError("server is not started")

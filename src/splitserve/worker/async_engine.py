@@ -16,14 +16,15 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How long the idle engine thread sleeps between checks for shutdown; commands wake it at once.
 _IDLE_POLL_S = 0.5
@@ -40,6 +41,7 @@ class EngineLike(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        keep_blocks: bool = False,
     ) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -75,11 +77,20 @@ class _Add:
     params: SamplingParams
     prompt: str | None
     stream: RequestStream
+    keep_blocks: bool = False
 
 
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run ``fn(engine)`` on the engine thread; answer through ``future`` if one is given."""
+
+    fn: Callable[[Any], Any]
+    future: asyncio.Future | None = None
 
 
 _ACCEPTED = object()
@@ -151,6 +162,7 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        keep_blocks: bool = False,
     ) -> RequestStream:
         """Queue a request and wait until the engine accepts it.
 
@@ -160,7 +172,7 @@ class AsyncEngine:
         if not self.alive:
             raise EngineError("the engine is not running")
         stream = RequestStream(self, request_id)
-        self._commands.put(_Add(request_id, prompt_token_ids, params, prompt, stream))
+        self._commands.put(_Add(request_id, prompt_token_ids, params, prompt, stream, keep_blocks))
         try:
             ack = await stream.queue.get()
         except asyncio.CancelledError:
@@ -173,6 +185,18 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        if not self.alive:
+            raise EngineError("the engine is not running")
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(_Call(fn, future))
+        return await future
+
+    def submit(self, fn: Callable[[Any], object]) -> None:
+        """Run ``fn(engine)`` on the engine thread, from any thread, without waiting."""
+        self._commands.put(_Call(fn))
 
     # ---- the engine thread -------------------------------------------------------------------
 
@@ -203,7 +227,10 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: _Add | _Abort | _Call) -> None:
+        if isinstance(cmd, _Call):
+            self._run_call(cmd)
+            return
         if isinstance(cmd, _Abort):
             if self._streams.pop(cmd.request_id, None) is not None:
                 self.engine.abort_request(cmd.request_id)
@@ -212,12 +239,31 @@ class AsyncEngine:
             self._send([(cmd.stream, QueueFull(f"{self.engine.num_waiting} requests waiting"))])
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.prompt)
+            self.engine.add_request(
+                cmd.request_id,
+                cmd.prompt_token_ids,
+                cmd.params,
+                cmd.prompt,
+                keep_blocks=cmd.keep_blocks,
+            )
         except ValueError as e:  # InvalidParameter and friends: the client's mistake
             self._send([(cmd.stream, e)])
             return
         self._streams[cmd.request_id] = cmd.stream
         self._send([(cmd.stream, _ACCEPTED)])
+
+    def _run_call(self, cmd: _Call) -> None:
+        try:
+            result: Any = cmd.fn(self.engine)
+        except Exception as e:
+            if cmd.future is None:
+                log.exception("engine call failed")
+            result = e
+        if cmd.future is not None and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(_resolve, cmd.future, result)
+            except RuntimeError:
+                pass  # the event loop has closed
 
     def _step(self) -> None:
         try:
@@ -259,6 +305,15 @@ class AsyncEngine:
         self.load = LoadSnapshot(
             self.engine.num_running, self.engine.num_waiting, bm.num_used_blocks, bm.num_blocks
         )
+
+
+def _resolve(future: asyncio.Future, result: Any) -> None:
+    if future.done():
+        return  # the caller was cancelled
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 def _dispatch(batch: list[tuple[RequestStream, Any]]) -> None:

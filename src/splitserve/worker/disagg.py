@@ -106,6 +106,9 @@ class PrefillSide:
         self.server = connector.make_server(
             KVCacheBlocks(kv), self.leases, cfg.kv_host, cfg.kv_port
         )
+        block_bytes = engine.runner.bytes_per_block
+        metrics.kv_blocks_sent.set_function(lambda: self.server.blocks_served)
+        metrics.kv_bytes_sent.set_function(lambda: self.server.blocks_served * block_bytes)
 
     def start(self) -> None:
         host, port = self.server.start()

@@ -7,6 +7,7 @@ import logging
 import uvicorn
 
 from splitserve.config import EngineConfig
+from splitserve.worker.disagg import DisaggConfig
 
 ROLES = ("both", "prefill", "decode")
 # How long uvicorn lets open streams finish after SIGTERM before closing them.
@@ -23,12 +24,12 @@ def run_worker(
     max_waiting: int | None = None,
     served_model_name: str | None = None,
     log_level: str = "info",
+    disagg: DisaggConfig | None = None,
 ) -> None:
     """Load the model (the port opens only once it is ready), then serve until stopped."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    if role != "both":
-        raise ValueError(f"role {role!r} is not implemented yet; only 'both' (collocated) is")
+    disagg = disagg or DisaggConfig(role=role)
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
@@ -37,7 +38,11 @@ def run_worker(
 
     engine = LLMEngine(engine_config)
     app = create_app(
-        engine, api_key=api_key, max_waiting=max_waiting, served_model_name=served_model_name
+        engine,
+        api_key=api_key,
+        max_waiting=max_waiting,
+        served_model_name=served_model_name,
+        disagg=disagg,
     )
     uvicorn.run(
         app,

@@ -56,6 +56,47 @@ class WorkerMetrics:
         self.request_errors = Counter(
             "splitserve:request_errors", "Requests answered with an error", ["status"], registry=r
         )
+        self._disaggregation_metrics(r)
+
+    def _disaggregation_metrics(self, r: CollectorRegistry) -> None:
+        self.prefills = Counter(
+            "splitserve:prefills",
+            "Prompts by where their KV was computed (remote: pulled from a prefill worker)",
+            ["where"],
+            registry=r,
+        )
+        self.kv_fallbacks = Counter(
+            "splitserve:kv_load_fallbacks",
+            "Remote KV loads that failed and fell back to a local prefill",
+            ["reason"],
+            registry=r,
+        )
+        self.kv_blocks_received = Counter(
+            "splitserve:kv_blocks_received", "KV blocks pulled from prefill workers", registry=r
+        )
+        self.kv_bytes_received = Counter(
+            "splitserve:kv_bytes_received", "KV bytes pulled from prefill workers", registry=r
+        )
+        self.kv_transfer_seconds = Histogram(
+            "splitserve:kv_transfer_seconds",
+            "Duration of one KV pull",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_leases_granted = Counter(
+            "splitserve:kv_leases_granted",
+            "Prompts whose KV was kept for a remote decode",
+            registry=r,
+        )
+        self.kv_leases_ended = Counter(
+            "splitserve:kv_leases_ended", "KV leases ended, by reason", ["reason"], registry=r
+        )
+        self.kv_blocks_sent = Gauge(
+            "splitserve:kv_blocks_sent", "KV blocks sent to decode workers", registry=r
+        )
+        self.kv_bytes_sent = Gauge(
+            "splitserve:kv_bytes_sent", "KV bytes sent to decode workers", registry=r
+        )
 
     @staticmethod
     def _gauge(name: str, doc: str, registry: CollectorRegistry) -> Gauge:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -25,6 +26,7 @@ from splitserve.common.protocol import (
 )
 from splitserve.common.sampling_params import InvalidParameter
 from splitserve.worker.async_engine import AsyncEngine, EngineError, EngineLike, QueueFull
+from splitserve.worker.disagg import DecodeSide, DisaggConfig, KVLoadFailed, PrefillSide
 from splitserve.worker.errors import APIError, bad_request, from_validation_error, install_handlers
 from splitserve.worker.metrics import WorkerMetrics
 from splitserve.worker.prepare import (
@@ -57,6 +59,7 @@ def create_app(
     api_key: str | None = None,
     max_waiting: int | None = None,
     served_model_name: str | None = None,
+    disagg: DisaggConfig | None = None,
 ) -> FastAPI:
     """A FastAPI app serving ``engine``; the engine thread runs for the app's lifespan.
 
@@ -71,11 +74,14 @@ def create_app(
     )
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     metrics = WorkerMetrics(lambda: async_engine.load)
+    kv = _KVSides.build(disagg or DisaggConfig(), engine, async_engine, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        kv.start()
         yield
+        kv.stop()
         async_engine.shutdown()
 
     app = FastAPI(title="splitserve worker", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -84,9 +90,38 @@ def create_app(
     install_handlers(app)
     app.include_router(_open_routes(async_engine, metrics))
     app.include_router(
-        _api_routes(async_engine, metrics, model), dependencies=[Depends(_auth(api_key))]
+        _api_routes(async_engine, metrics, model, kv), dependencies=[Depends(_auth(api_key))]
     )
     return app
+
+
+class _KVSides:
+    """The disaggregation halves this worker runs: a prefill worker serves kept KV, a decode
+    worker pulls it; a collocated worker with a cluster secret can do both."""
+
+    def __init__(self, prefill: PrefillSide | None, decode: DecodeSide | None) -> None:
+        self.prefill, self.decode = prefill, decode
+
+    @classmethod
+    def build(
+        cls, cfg: DisaggConfig, engine: Any, calls: AsyncEngine, metrics: WorkerMetrics
+    ) -> _KVSides:
+        if not cfg.secret:
+            return cls(None, None)
+        prefill = PrefillSide(cfg, engine, calls, metrics) if cfg.role != "decode" else None
+        decode = DecodeSide(cfg, engine, calls, metrics) if cfg.role != "prefill" else None
+        return cls(prefill, decode)
+
+    def start(self) -> None:
+        if self.prefill is not None:
+            self.prefill.start()
+
+    def stop(self) -> None:
+        if self.prefill is not None:
+            self.prefill.stop()
+
+    def leased_blocks(self) -> int:
+        return self.prefill.leases.leased_blocks() if self.prefill is not None else 0
 
 
 def _auth(api_key: str | None):
@@ -122,7 +157,9 @@ def _open_routes(async_engine: AsyncEngine, metrics: WorkerMetrics) -> APIRouter
     return router
 
 
-def _api_routes(async_engine: AsyncEngine, metrics: WorkerMetrics, model: ModelInfo) -> APIRouter:
+def _api_routes(
+    async_engine: AsyncEngine, metrics: WorkerMetrics, model: ModelInfo, kv: _KVSides
+) -> APIRouter:
     router = APIRouter()
 
     @router.get("/load")
@@ -135,6 +172,7 @@ def _api_routes(async_engine: AsyncEngine, metrics: WorkerMetrics, model: ModelI
             "kv_blocks_used": s.kv_blocks_used,
             "kv_blocks_total": s.kv_blocks_total,
             "kv_usage": usage,
+            "kv_blocks_leased": kv.leased_blocks(),
         }
 
     @router.get("/v1/models")
@@ -145,14 +183,14 @@ def _api_routes(async_engine: AsyncEngine, metrics: WorkerMetrics, model: ModelI
     async def chat(request: Request) -> Response:
         req = _check_model(await _parse(request, ChatCompletionRequest), model)
         return await _serve(
-            request, req, chat_input(req, model), True, model, async_engine, metrics
+            request, req, chat_input(req, model), True, model, async_engine, metrics, kv
         )
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = _check_model(await _parse(request, CompletionRequest), model)
         return await _serve(
-            request, req, completion_input(req, model), False, model, async_engine, metrics
+            request, req, completion_input(req, model), False, model, async_engine, metrics, kv
         )
 
     return router
@@ -192,10 +230,14 @@ async def _serve(
     model: ModelInfo,
     async_engine: AsyncEngine,
     metrics: WorkerMetrics,
+    kv: _KVSides,
 ) -> Response:
     request_id = make_id("chatcmpl" if chat else "cmpl")
+    inp, keep = await _kv_transfer(req, inp, kv)
     try:
-        stream = await async_engine.add(request_id, inp.prompt_token_ids, inp.params, inp.prompt)
+        stream = await async_engine.add(
+            request_id, inp.prompt_token_ids, inp.params, inp.prompt, keep_blocks=keep
+        )
     except QueueFull as e:
         raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full") from e
     except InvalidParameter as e:
@@ -214,7 +256,43 @@ async def _serve(
     except EngineError as e:
         raise APIError(500, str(e)) from e
     build = chat_response if chat else completion_response
-    return JSONResponse(build(request_id, model.name, out, req.kv_transfer_params).model_dump())
+    params = req.kv_transfer_params
+    if out.kept_blocks is not None and kv.prefill is not None:
+        params = kv.prefill.grant(request_id, out.kept_blocks, len(out.prompt_token_ids))
+    return JSONResponse(build(request_id, model.name, out, params).model_dump())
+
+
+async def _kv_transfer(
+    req: ChatCompletionRequest | CompletionRequest, inp: EngineInput, kv: _KVSides
+) -> tuple[EngineInput, bool]:
+    """Apply the request's ``kv_transfer_params``: a prefill leg computes one token and keeps
+    the KV (returns keep=True); a decode leg first pulls the prompt's KV from the prefill
+    worker. Without them, nothing changes."""
+    params = req.kv_transfer_params or {}
+    if params.get("do_remote_decode"):
+        if kv.prefill is None:
+            raise bad_request(
+                "this worker does not serve remote decodes (it is not a prefill worker "
+                "with a cluster secret)",
+                param="kv_transfer_params",
+            )
+        if req.stream:
+            raise bad_request("a prefill leg cannot stream", param="stream")
+        one = dataclasses.replace(inp.params, max_tokens=1)
+        return dataclasses.replace(inp, params=one), True
+    if params.get("do_remote_prefill"):
+        if kv.decode is None:
+            raise bad_request(
+                "this worker cannot load remote KV (it has no cluster secret)",
+                param="kv_transfer_params",
+            )
+        try:
+            await kv.decode.import_kv(inp.prompt_token_ids, dict(params))
+        except ValueError as e:
+            raise bad_request(str(e), param="kv_transfer_params") from e
+        except KVLoadFailed as e:
+            raise APIError(502, str(e), code="kv_load_failed") from e
+    return inp, False
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

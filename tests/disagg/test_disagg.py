@@ -1,0 +1,200 @@
+"""Prefill/decode disaggregation with real worker processes over loopback.
+
+The test plays the front: the prefill leg (``max_tokens=1``, ``do_remote_decode``), then
+the decode leg with the ``kv_transfer_params`` the prefill worker returned.
+"""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+from procs import metric, start_worker, stop_group, wait_healthy
+
+SECRET = "disagg-test-secret"
+MAX_TOKENS = 8
+BLOCK_BYTES = 2 * 30 * 3 * 64 * 4 * 16  # the default model's KV block, float32
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Prefill workers over tcp and shm, a short-lease prefill worker with a corrupting
+    fault, and one decode worker. Started together; they load in parallel."""
+    specs = {
+        "p_tcp": ["--role", "prefill", "--kv-transport", "tcp"],
+        "p_shm": ["--role", "prefill", "--kv-transport", "shm"],
+        "p_fault": [
+            "--role",
+            "prefill",
+            "--kv-transport",
+            "tcp",
+            "--kv-lease-ttl",
+            "2",
+            "--kv-test-fault",
+            "corrupt_block=0",
+        ],
+        "d": ["--role", "decode"],
+    }
+    procs = {name: start_worker(args, secret=SECRET) for name, args in specs.items()}
+    try:
+        for url, proc in procs.values():
+            wait_healthy(url, proc)
+        yield {name: url for name, (url, _) in procs.items()}
+    finally:
+        for _, proc in procs.values():
+            stop_group(proc)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from splitserve import LLM
+
+    return LLM()
+
+
+def prompts(seed: int, n: int) -> list[list[int]]:
+    """``n`` token-id prompts with lengths spread from 10 to 2,000."""
+    rng = random.Random(seed)
+    lengths = [round(10 * 200 ** (i / (n - 1))) for i in range(n)]
+    return [[rng.randrange(100, 49000) for _ in range(length)] for length in lengths]
+
+
+def body(prompt: list[int], **extra) -> dict:
+    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+
+
+def prefill_leg(url: str, prompt: list[int]) -> dict:
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json=body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    return params
+
+
+def decode_leg(url: str, prompt: list[int], params: dict) -> str:
+    r = httpx.post(
+        f"{url}/v1/completions", json=body(prompt, kv_transfer_params=params), timeout=120
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def two_legs(p_url: str, d_url: str, prompt: list[int]) -> str:
+    return decode_leg(d_url, prompt, prefill_leg(p_url, prompt))
+
+
+def reference(offline, batch: list[list[int]]) -> list[str]:
+    from splitserve import SamplingParams
+
+    outs = offline.generate(batch, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return [o.outputs[0].text for o in outs]
+
+
+@pytest.mark.parametrize(("transport", "seed"), [("tcp", 1), ("shm", 2)])
+def test_greedy_outputs_equal_collocated(cluster, offline, transport, seed):
+    batch = prompts(seed, 12)
+    received = metric(cluster["d"], "splitserve:kv_blocks_received_total")
+    got = [two_legs(cluster[f"p_{transport}"], cluster["d"], p) for p in batch]
+    assert got == reference(offline, batch)
+    full_blocks = sum(len(p) // 16 for p in batch)
+    assert metric(cluster["d"], "splitserve:kv_blocks_received_total") - received == full_blocks
+
+
+def test_second_turn_pulls_only_the_missing_blocks(cluster):
+    d, p = cluster["d"], cluster["p_tcp"]
+    turn1 = prompts(3, 2)[1][:600]
+    before = metric(d, "splitserve:kv_bytes_received_total")
+    two_legs(p, d, turn1)
+    assert metric(d, "splitserve:kv_bytes_received_total") - before == (600 // 16) * BLOCK_BYTES
+    # Turn 2 extends turn 1. The decode worker holds turn 1's 37 full blocks; its own
+    # decoding (< 16 tokens) completed no further block. Only blocks 37.. cross the wire.
+    turn2 = turn1 + [1000 + i for i in range(300)]
+    before = metric(d, "splitserve:kv_bytes_received_total")
+    two_legs(p, d, turn2)
+    expected = len(turn2) // 16 - 600 // 16
+    assert metric(d, "splitserve:kv_bytes_received_total") - before == expected * BLOCK_BYTES
+
+
+def test_corrupted_block_falls_back_to_recompute(cluster, offline):
+    prompt = prompts(4, 2)[1][:300]
+    before = metric(cluster["d"], 'splitserve:kv_load_fallbacks_total{reason="checksum"}')
+    assert two_legs(cluster["p_fault"], cluster["d"], prompt) == reference(offline, [prompt])[0]
+    after = metric(cluster["d"], 'splitserve:kv_load_fallbacks_total{reason="checksum"}')
+    assert after == before + 1
+
+
+def test_lease_expiry_frees_prefill_blocks(cluster):
+    p = cluster["p_fault"]
+    prompt = prompts(5, 2)[1][:200]
+    leased = lambda: httpx.get(f"{p}/load").json()["kv_blocks_leased"]  # noqa: E731
+    poll(lambda: leased() == 0, timeout=15)  # earlier tests' leases run out first
+    used = httpx.get(f"{p}/load").json()["kv_blocks_used"]
+    prefill_leg(p, prompt)  # nobody pulls
+    assert leased() == -(-200 // 16)
+    poll(lambda: leased() == 0, timeout=15)
+    assert httpx.get(f"{p}/load").json()["kv_blocks_used"] == used
+    assert metric(p, 'splitserve:kv_leases_ended_total{reason="expired"}') >= 1
+
+
+def test_prefill_worker_gone_before_pull(cluster, offline):
+    url, proc = start_worker(["--role", "prefill"], secret=SECRET)
+    try:
+        wait_healthy(url, proc)
+        prompt = prompts(6, 2)[1][:400]
+        params = prefill_leg(url, prompt)
+    finally:
+        stop_group(proc)
+    assert decode_leg(cluster["d"], prompt, params) == reference(offline, [prompt])[0]
+
+
+def test_connection_cut_mid_transfer(cluster, offline):
+    fault = ["--kv-test-fault", f"drop_after_bytes={3 * BLOCK_BYTES}"]
+    url, proc = start_worker(["--role", "prefill", *fault], secret=SECRET)
+    try:
+        wait_healthy(url, proc)
+        prompt = prompts(7, 2)[1][:500]
+        before = metric(cluster["d"], "splitserve:kv_load_fallbacks_total")
+        assert two_legs(url, cluster["d"], prompt) == reference(offline, [prompt])[0]
+        assert metric(cluster["d"], "splitserve:kv_load_fallbacks_total") == before + 1
+    finally:
+        stop_group(proc)
+
+
+def test_wrong_cluster_secret_is_refused(cluster, offline):
+    url, proc = start_worker(["--role", "decode"], secret="not-the-secret")
+    try:
+        wait_healthy(url, proc)
+        prompt = prompts(8, 2)[1][:300]
+        reason = 'splitserve:kv_load_fallbacks_total{reason="auth"}'
+        assert two_legs(cluster["p_tcp"], url, prompt) == reference(offline, [prompt])[0]
+        assert metric(url, reason) == 1
+        assert metric(url, "splitserve:kv_blocks_received_total") == 0
+    finally:
+        stop_group(proc)
+    # The right secret is what lets a peer in: the shared decode worker pulls fine.
+    before = metric(cluster["d"], "splitserve:kv_blocks_received_total")
+    two_legs(cluster["p_tcp"], cluster["d"], prompt)
+    assert metric(cluster["d"], "splitserve:kv_blocks_received_total") > before
+
+
+def test_malformed_kv_transfer_params_is_a_400(cluster):
+    bad = {"do_remote_prefill": True, "remote_block_ids": "nope"}
+    r = httpx.post(f"{cluster['d']}/v1/completions", json=body([1, 2, 3], kv_transfer_params=bad))
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "kv_transfer_params"
+
+
+def poll(cond, timeout: float) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError("condition not met in time")

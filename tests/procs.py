@@ -1,0 +1,73 @@
+"""Helpers for tests that run real splitserve processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(
+    args: list[str], secret: str | None = None, threads: int = 1, env: dict | None = None
+) -> tuple[str, subprocess.Popen]:
+    """Start ``splitserve worker`` on a free port in its own session; returns (url, proc)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "splitserve.cli", "worker", "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--threads", str(threads), "--log-level", "warning", *args]
+    full_env = {**os.environ, **(env or {})}
+    if secret is not None:
+        full_env["SPLITSERVE_KV_SECRET"] = secret
+    proc = subprocess.Popen(argv, env=full_env, start_new_session=True)
+    return f"http://127.0.0.1:{port}", proc
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} was not healthy after {timeout:.0f}s")
+
+
+def stop_group(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    """SIGTERM the process group, then SIGKILL it if it lingers."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def metric(url: str, name: str, headers: dict | None = None) -> float:
+    """A sample from ``/metrics``: ``name`` alone sums every label set, ``name{k="v"}`` is exact."""
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        sample, _, value = line.rpartition(" ")
+        if sample == name or ("{" not in name and sample.split("{")[0] == name):
+            total += float(value)
+    return total
