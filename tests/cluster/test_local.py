@@ -11,9 +11,9 @@ import time
 
 import httpx
 import psutil
+from procs import free_port, stop_group
 
 from splitserve.cluster.local import LocalDeployment, WorkerProcess
-from tests.worker.conftest import free_port, stop_group
 
 # A stand-in worker that starts a child of its own and, optionally, ignores SIGTERM.
 _PARENT = """

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
+from procs import free_port, stop_group, wait_healthy
 
 API_KEY = "sk-worker-test"
 # Small enough that "prompt too long" needs only a short prompt; big enough for every test.
@@ -31,40 +29,6 @@ class Worker:
 
     def load(self) -> dict:
         return httpx.get(f"{self.url}/load", headers=self.headers, timeout=5).json()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the process exited with code {proc.returncode} before serving")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} was not healthy after {timeout:.0f}s")
-
-
-def stop_group(proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    """SIGTERM the process's group, then SIGKILL it if it lingers (it runs in its own session)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @pytest.fixture(scope="session")
