@@ -81,7 +81,7 @@ class FakeWorker:
         HTTP.post(f"{self.url}/_mode", json=state, timeout=5.0).raise_for_status()
 
     def reset(self) -> None:
-        self.mode(mode="ok", running=0, waiting=0, delay_s=0.0)
+        self.mode(mode="ok", running=0, waiting=0, delay_s=0.0, greedy=False, die_after=2)
 
     def seen(self) -> list[dict]:
         return HTTP.get(f"{self.url}/_requests", timeout=5.0).json()

@@ -1,6 +1,10 @@
 """A test double for a worker's HTTP contract: canned SSE chunks, /health, /load, faults.
 
 Run as its own process (``python fake_worker.py --port P --name w1``) so tests can kill it.
+With ``return_token_ids`` it streams token ids like a real worker: the prompt's ids are the
+code points of its text (or the given ids), and the token generated at position p is p. In
+``greedy`` mode its text is ``"t{p} "``, the same on every worker, as a greedy model's would
+be; otherwise it names the worker (``"w1-0 "``) so tests can tell who wrote what.
 Tests steer it at run time through ``POST /_mode`` and read what it received from
 ``GET /_requests``. It speaks just enough of the OpenAI API and of the disaggregated
 two-leg protocol (``kv_transfer_params``) to exercise the router.
@@ -23,7 +27,15 @@ CHUNKS = 4
 def create_app(name: str, role: str) -> FastAPI:
     app = FastAPI()
     # mode: ok | error500 | unhealthy | die_midstream | slow_first_byte
-    state: dict[str, Any] = {"mode": "ok", "running": 0, "waiting": 0, "delay_s": 0.0}
+    # die_midstream drops the connection after ``die_after`` chunks.
+    state: dict[str, Any] = {
+        "mode": "ok",
+        "running": 0,
+        "waiting": 0,
+        "delay_s": 0.0,
+        "greedy": False,
+        "die_after": 2,
+    }
     seen: list[dict[str, Any]] = []
 
     @app.get("/health")
@@ -76,7 +88,7 @@ def create_app(name: str, role: str) -> FastAPI:
                 status_code=400,
             )
         if body.get("stream"):
-            return StreamingResponse(_sse(name, state, chat), media_type="text/event-stream")
+            return StreamingResponse(_sse(name, state, chat, body), media_type="text/event-stream")
         out: dict[str, Any] = {
             "id": "x",
             "model": "fake",
@@ -112,14 +124,51 @@ def _choice(name: str, chat: bool, i: int | None = None) -> dict[str, Any]:
     return {"index": 0, "text": text, "finish_reason": None}
 
 
-async def _sse(name: str, state: dict[str, Any], chat: bool):
+def _prompt_ids(body: dict[str, Any]) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        return prompt
+    if prompt is None:
+        prompt = body["messages"][-1]["content"]
+    return [ord(c) for c in prompt]
+
+
+async def _sse(name: str, state: dict[str, Any], chat: bool, body: dict[str, Any]):
     if state["mode"] == "slow_first_byte":
         await asyncio.sleep(state["delay_s"])
-    for i in range(CHUNKS):
-        if state["mode"] == "die_midstream" and i == 2:
+    with_ids = body.get("return_token_ids") is True
+    prompt = _prompt_ids(body)
+    count = (body.get("max_tokens") or CHUNKS) if state["greedy"] else CHUNKS
+    for i in range(count):
+        if state["mode"] == "die_midstream" and i == state["die_after"]:
             raise RuntimeError("the worker died mid-stream")  # uvicorn drops the connection
-        yield f"data: {json.dumps({'choices': [_choice(name, chat, i)]})}\n\n".encode()
+        position = len(prompt) + i
+        chunk: dict[str, Any] = {"id": f"{name}-stream", "model": "fake"}
+        choice = _choice(name, chat, i)
+        if state["greedy"]:
+            choice["delta" if chat else "text"] = (
+                {"content": f"t{position} "} if chat else f"t{position} "
+            )
+        if with_ids:
+            choice["token_ids"] = [position]
+            if i == 0:
+                chunk["prompt_token_ids"] = prompt
+        chunk["choices"] = [choice]
+        yield f"data: {json.dumps(chunk)}\n\n".encode()
         await asyncio.sleep(state["delay_s"])
+    if state["greedy"]:  # a real worker's ending: a finish chunk, then [DONE]
+        finish = {
+            "index": 0,
+            "finish_reason": "length",
+            **({"delta": {}} if chat else {"text": ""}),
+        }
+        chunk = {"id": f"{name}-stream", "model": "fake", "choices": [finish]}
+        yield f"data: {json.dumps(chunk)}\n\n".encode()
+        if (body.get("stream_options") or {}).get("include_usage"):
+            n = len(prompt)
+            usage = {"prompt_tokens": n, "completion_tokens": count, "total_tokens": n + count}
+            chunk = {"id": f"{name}-stream", "model": "fake", "choices": [], "usage": usage}
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
     yield b"data: [DONE]\n\n"
 
 

@@ -6,8 +6,11 @@ number) because a lax coercion would turn a client bug into a silently different
 Unknown fields are kept (``extra="allow"``) so that a proxy can forward them unchanged; the
 worker ignores them, as vLLM does.
 
-splitserve's extensions to the OpenAI schema, with vLLM's names: ``top_k``, ``ignore_eos``
-and ``kv_transfer_params`` (the disaggregated-serving handshake, echoed back in responses).
+splitserve's extensions to the OpenAI schema, with vLLM's names: ``top_k``, ``ignore_eos``,
+``kv_transfer_params`` (the disaggregated-serving handshake, echoed back in responses) and
+``return_token_ids``: responses then carry ``prompt_token_ids`` (top level; in a stream, on
+the first chunk) and each choice its generated ``token_ids`` (in a stream, that chunk's). The
+router uses them to resume a stream on another worker when its worker dies.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class _SamplingFields(_Request):
     top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     ignore_eos: bool = False
     kv_transfer_params: dict[str, Any] | None = None
+    return_token_ids: bool = False
 
 
 class ChatCompletionRequest(_SamplingFields):

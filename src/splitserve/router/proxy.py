@@ -3,9 +3,10 @@
 A request may be retried on another worker until its first byte reaches the client: a
 connection error, a 5xx, or a stream that dies before its first chunk all count as the
 worker's failure (its circuit breaker hears of it) and the next candidate is tried. After
-the first byte the client owns a partial answer, so a failure ends the stream with an SSE
-error event (migration of a live stream is not implemented yet: it needs the workers
-to stream token ids, see the router's report).
+the first byte the client owns a partial answer, so a streamed request migrates instead: the
+router resumes it on the session's next worker from the tokens already delivered (see
+``migration``) and the client's stream continues. Only when no worker can take it over does
+the stream end with an SSE error event.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,7 @@ from splitserve.router.config import RouterConfig
 from splitserve.router.errors import RouterError, no_worker
 from splitserve.router.membership import Membership
 from splitserve.router.metrics import RouterMetrics
+from splitserve.router.migration import IncompleteStream, StreamLog, StreamRelay, with_token_ids
 from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.policies.session import SyncedRing
 from splitserve.router.session import prefix_key, session_key
@@ -68,6 +71,10 @@ class Placement:
     home: str | None  # the session's home worker (metrics only)
     prefill: Worker | None = None
     kv_params: dict[str, Any] | None = None
+    # Streamed requests: what was delivered, so the stream can move to another worker.
+    relay: StreamRelay | None = None
+    headers: dict[str, str] | None = None
+    excluded: list[str] | None = None  # decode workers tried so far
 
 
 class Proxy:
@@ -102,8 +109,13 @@ class Proxy:
             await self._remote_prefill(path, body, headers, placement, decode)
         if placement.kv_params is not None:
             body = disagg.decode_body(body, placement.kv_params)
-        payload = json.dumps(body).encode()
         stream = body.get("stream") is True
+        if stream:
+            log = StreamLog.of(body, chat=path.endswith("/chat/completions"))
+            placement.relay = StreamRelay(log, body)
+            placement.headers, placement.excluded = headers, excluded
+            body = with_token_ids(body)
+        payload = json.dumps(body).encode()
         return await self._with_retries(
             "decode",
             placement,
@@ -227,31 +239,98 @@ class Proxy:
             self._failed(worker, role, e)
             raise e if isinstance(e, WorkerFailed) else WorkerFailed(repr(e)) from e
         self._succeeded(worker, role, placement)
+        relay = (
+            self._relay(first, chunks, worker, placement)
+            if placement.relay
+            else _raw(first, chunks)
+        )
         return RelayResponse(
-            self._relay(first, chunks, worker),
+            relay,
             close_once,
             status_code=upstream.status_code,
             headers=self._headers(upstream, worker, placement),
         )
 
     async def _relay(
-        self, first: bytes, chunks: AsyncIterator[bytes], worker: Worker
+        self, first: bytes, chunks: AsyncIterator[bytes], worker: Worker, placement: Placement
     ) -> AsyncIterator[bytes]:
-        yield first
+        assert placement.relay is not None
         try:
-            async for chunk in chunks:
-                yield chunk
-        except httpx.HTTPError as e:
-            # The client already has part of the answer: it cannot be retried elsewhere.
+            async for out in placement.relay.relay(_raw(first, chunks)):
+                yield out
+            return
+        except (httpx.HTTPError, IncompleteStream, ValueError) as e:
+            # The client already has part of the answer: resume it elsewhere, not retry it.
             self._failed(worker, "decode", e)
             self.metrics.midstream_failures.inc()
-            error = {
-                "message": f"the decode worker failed mid-stream: {e!r}",
-                "type": "server_error",
-                "param": None,
-                "code": "worker_failed",
-            }
-            yield f"data: {json.dumps({'error': error})}\n\n".encode()
+        async for out in self._migrate(placement):
+            yield out
+
+    async def _migrate(self, placement: Placement) -> AsyncIterator[bytes]:
+        """Continue a broken stream on the session's next decode workers, one leg each."""
+        relay, excluded = placement.relay, placement.excluded
+        assert relay is not None and excluded is not None
+        if relay.log.finish_reason is not None:  # only the usage and [DONE] were lost
+            for out in relay.finish_locally():
+                yield out
+            return
+        for _ in range(self.config.max_retries + 1):
+            worker = self._pick("decode", placement.info, excluded) if relay.log.resumable else None
+            if worker is None:
+                break
+            self.metrics.migrations.inc()
+            log.warning("resuming a stream on %s", worker.url)
+            try:
+                remaining = relay.remaining(await self._max_model_len(worker, relay.log, placement))
+                if remaining <= 0:
+                    for out in relay.finish_locally():
+                        yield out
+                    return
+                payload = json.dumps(relay.resume_body(remaining)).encode()
+                async with self._leg(worker, payload, placement) as upstream:
+                    # SSE comments are ignored by clients; this one helps debugging and tests.
+                    yield f": splitserve migrated to {worker.url}\n\n".encode()
+                    async for out in relay.relay(upstream.aiter_raw()):
+                        yield out
+                return
+            except (httpx.HTTPError, IncompleteStream, ValueError, WorkerFailed) as e:
+                self._failed(worker, "decode", e)
+        yield _error_event("the decode worker failed mid-stream and no worker could resume it")
+
+    @asynccontextmanager
+    async def _leg(
+        self, worker: Worker, payload: bytes, placement: Placement
+    ) -> AsyncIterator[httpx.Response]:
+        """One resumed leg's upstream stream, counted in the worker's load while it runs."""
+        self.metrics.requests.labels(worker.url, "decode").inc()
+        worker.in_flight += 1
+        try:
+            url = worker.url + "/v1/completions"
+            request = self.client.build_request(
+                "POST", url, content=payload, headers=placement.headers
+            )
+            upstream = await self.client.send(request, stream=True)
+            try:
+                if upstream.status_code != 200:
+                    raise WorkerFailed(f"HTTP {upstream.status_code} on resume")
+                self.membership.report(worker.url, ok=True)
+                yield upstream
+            finally:
+                await upstream.aclose()
+        finally:
+            worker.in_flight -= 1
+            self.policies["decode"].on_request_complete(worker, placement.info)
+
+    async def _max_model_len(
+        self, worker: Worker, stream: StreamLog, placement: Placement
+    ) -> int | None:
+        """The worker's context length, needed only when the client set no ``max_tokens``."""
+        if stream.max_tokens is not None:
+            return None
+        r = await self.client.get(worker.url + "/v1/models", headers=placement.headers)
+        if r.status_code != 200:
+            raise WorkerFailed(f"HTTP {r.status_code} from /v1/models")
+        return int(r.json()["data"][0]["max_model_len"])
 
     async def _remote_prefill(
         self,
@@ -329,3 +408,14 @@ async def _json_object(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RouterError(400, "the request body must be a JSON object")
     return body
+
+
+async def _raw(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in chunks:
+        yield chunk
+
+
+def _error_event(message: str) -> bytes:
+    error = {"message": message, "type": "server_error", "param": None, "code": "worker_failed"}
+    return f"data: {json.dumps({'error': error})}\n\n".encode()

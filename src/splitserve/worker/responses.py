@@ -35,12 +35,26 @@ def usage_of(out: RequestOutput) -> Usage:
     return Usage.of(len(out.prompt_token_ids), len(out.outputs[0].token_ids), out.num_cached_tokens)
 
 
+def token_id_fields(out: RequestOutput, on: bool) -> tuple[dict, dict]:
+    """The ``return_token_ids`` extension's (response, choice) fields; empty when off."""
+    if not on:
+        return {}, {}
+    return {"prompt_token_ids": out.prompt_token_ids}, {"token_ids": out.outputs[0].token_ids}
+
+
 def chat_response(
-    request_id: str, model: str, out: RequestOutput, kv_transfer_params: dict | None
+    request_id: str,
+    model: str,
+    out: RequestOutput,
+    kv_transfer_params: dict | None,
+    token_ids: bool = False,
 ) -> ChatCompletionResponse:
     completion = out.outputs[0]
+    top, per_choice = token_id_fields(out, token_ids)
     choice = ChatChoice(
-        message=ResponseMessage(content=completion.text), finish_reason=completion.finish_reason
+        message=ResponseMessage(content=completion.text),
+        finish_reason=completion.finish_reason,
+        **per_choice,
     )
     return ChatCompletionResponse(
         id=request_id,
@@ -48,20 +62,29 @@ def chat_response(
         choices=[choice],
         usage=usage_of(out),
         kv_transfer_params=kv_transfer_params,
+        **top,
     )
 
 
 def completion_response(
-    request_id: str, model: str, out: RequestOutput, kv_transfer_params: dict | None
+    request_id: str,
+    model: str,
+    out: RequestOutput,
+    kv_transfer_params: dict | None,
+    token_ids: bool = False,
 ) -> CompletionResponse:
     completion = out.outputs[0]
-    choice = CompletionChoice(text=completion.text, finish_reason=completion.finish_reason)
+    top, per_choice = token_id_fields(out, token_ids)
+    choice = CompletionChoice(
+        text=completion.text, finish_reason=completion.finish_reason, **per_choice
+    )
     return CompletionResponse(
         id=request_id,
         model=model,
         choices=[choice],
         usage=usage_of(out),
         kv_transfer_params=kv_transfer_params,
+        **top,
     )
 
 
@@ -84,9 +107,18 @@ class _Chunks:
     and then filled by string concatenation: one ``json.dumps`` of the text per token.
     """
 
-    def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        include_usage: bool,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
         self.chat = chat
         self.include_usage = include_usage
+        # ``return_token_ids``: the first chunk names the prompt's ids (then this is cleared).
+        self.prompt_token_ids = prompt_token_ids
         self.head: dict[str, Any] = {
             "id": request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -99,7 +131,17 @@ class _Chunks:
     def text(self, text: str) -> str:
         return f"{self._text_before}{_dumps(text)}{self._text_after}"
 
-    def choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> str:
+    def tokens(self, text: str, token_ids: list[int]) -> str:
+        """A chunk with ``text`` and the ``token_ids`` it came from (``return_token_ids``)."""
+        return self.choice(text, None, token_ids=token_ids)
+
+    def choice(
+        self,
+        text: str | None,
+        finish_reason: str | None,
+        role: bool = False,
+        token_ids: list[int] | None = None,
+    ) -> str:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -112,9 +154,13 @@ class _Chunks:
                 "logprobs": None,
                 "finish_reason": finish_reason,
             }
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         chunk = {**self.head, "choices": [choice]}
         if self.include_usage:
             chunk["usage"] = None
+        if self.prompt_token_ids is not None and (role or token_ids is not None):
+            chunk["prompt_token_ids"], self.prompt_token_ids = self.prompt_token_ids, None
         return _sse(chunk)
 
     def usage(self, out: RequestOutput) -> str:
@@ -133,15 +179,24 @@ async def sse_events(
     model: str,
     chat: bool,
     include_usage: bool,
+    prompt_token_ids: list[int] | None = None,
 ) -> AsyncIterator[str]:
-    """The server-sent events of one streamed completion, ending with ``data: [DONE]``."""
-    chunks = _Chunks(request_id, model, chat, include_usage)
+    """The server-sent events of one streamed completion, ending with ``data: [DONE]``.
+
+    With ``prompt_token_ids`` (the ``return_token_ids`` extension) the first chunk carries
+    them and every token gets a chunk with its ids, even one whose text is held back (empty):
+    a reader must see every generated id to resume the stream elsewhere.
+    """
+    chunks = _Chunks(request_id, model, chat, include_usage, prompt_token_ids)
+    with_ids = prompt_token_ids is not None
     if chat:
         yield chunks.choice("", None, role=True)
     try:
         async for out in stream:
             tracker.on_output(out)
-            if out.delta_text:
+            if with_ids and out.delta_token_ids:
+                yield chunks.tokens(out.delta_text, out.delta_token_ids)
+            elif out.delta_text:
                 yield chunks.text(out.delta_text)
             if out.finished:
                 yield chunks.choice(None if chat else "", out.outputs[0].finish_reason)

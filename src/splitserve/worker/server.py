@@ -247,7 +247,10 @@ async def _serve(
     tracker = metrics.track()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = sse_events(stream, tracker, request_id, model.name, chat, include_usage)
+        prompt_ids = inp.prompt_token_ids if req.return_token_ids else None
+        events = sse_events(
+            stream, tracker, request_id, model.name, chat, include_usage, prompt_ids
+        )
         return SSEResponse(events, headers={"Cache-Control": "no-cache"})
     try:
         out = await _unless_disconnected(request, collect(stream, tracker))
@@ -259,7 +262,8 @@ async def _serve(
     params = req.kv_transfer_params
     if out.kept_blocks is not None and kv.prefill is not None:
         params = kv.prefill.grant(request_id, out.kept_blocks, len(out.prompt_token_ids))
-    return JSONResponse(build(request_id, model.name, out, params).model_dump())
+    response = build(request_id, model.name, out, params, req.return_token_ids)
+    return JSONResponse(response.model_dump())
 
 
 async def _kv_transfer(
