@@ -2,9 +2,9 @@
 vs prefilled on a prefill worker and pulled (tcp, tcp + AES-GCM, shm), same run, same box.
 
 Every prompt is fresh random tokens (no prefix-cache hits). TTFT here is the latency of a
-``max_tokens=1`` request, summed over both legs when disaggregated. The fixed part of the
-remote leg's overhead over the per-token cost of a local prefill gives the break-even
-prompt length used for ``--remote-prefill-threshold``.
+``max_tokens=1`` request, summed over both legs when disaggregated. The prompt length at
+which the remote leg starts to save the decode worker more time than it adds to the
+request's TTFT is the break-even used for ``--remote-prefill-threshold``.
 
     python benchmarks/disagg_latency.py [--lengths 16,256,1000,4000] [--repeats 3]
 """
@@ -96,12 +96,15 @@ def print_table(rows: list[dict]) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
-def break_even(rows: list[dict]) -> float:
-    """Prompt length at which a local prefill costs as much as the remote leg's fixed part."""
-    small, big = rows[0], rows[-1]
-    per_token = (big["local_s"] - small["local_s"]) / (big["tokens"] - small["tokens"])
-    fixed = small["tcp_s"] - small["local_s"]
-    return max(fixed, 0.0) / per_token
+def break_even(rows: list[dict]) -> float | None:
+    """Shortest prompt for which a remote prefill pays: the decode-worker time it saves (the
+    local prefill, which would stall every other decode there) is at least the latency it
+    adds to this request (two-leg TTFT minus local TTFT). Interpolated between lengths."""
+    margin = [(r["tokens"], r["local_s"] - (r["tcp_s"] - r["local_s"])) for r in rows]
+    for (n0, m0), (n1, m1) in zip(margin, margin[1:], strict=False):
+        if m0 < 0 <= m1:
+            return n0 + (n1 - n0) * -m0 / (m1 - m0)
+    return None if margin[-1][1] < 0 else margin[0][0]
 
 
 def main() -> None:
@@ -122,7 +125,7 @@ def main() -> None:
         for _, proc in procs.values():
             stop_group(proc)
     print_table(rows)
-    print(f"break-even uncached prompt length (tcp): {break_even(rows):.0f} tokens")
+    print(f"break-even uncached prompt length (tcp): {break_even(rows)} tokens")
     if ARGS.json:
         Path(ARGS.json).write_text(json.dumps(rows, indent=2))
 

@@ -238,3 +238,10 @@ def test_fuzzed_bodies_never_get_a_5xx(http, body):
 def test_worker_still_serves_after_the_fuzzing(http):
     r = http.post(COMPLETIONS, json={"prompt": "Hello", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_prefill_leg_without_cluster_secret_is_a_400(worker):
+    body = {"prompt": "hi", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    r = httpx.post(f"{worker.url}/v1/completions", json=body, headers=worker.headers)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "kv_transfer_params"

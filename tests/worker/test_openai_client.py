@@ -210,7 +210,8 @@ def test_tool_conversation_is_accepted(client, worker):
 
 
 def test_kv_transfer_params_are_echoed(client, worker):
-    params = {"do_remote_decode": True}
+    # Neither leg of the disaggregation handshake: the worker carries the params through.
+    params = {"do_remote_decode": False, "trace": "abc"}
     r = client.completions.create(
         model=worker.model, prompt="hi", max_tokens=1, extra_body={"kv_transfer_params": params}
     )

@@ -11,8 +11,10 @@ from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_VNODES
 from splitserve.router.worker import Worker
 
 # Below this many uncached prompt tokens the decode worker prefills locally: a remote leg
-# costs a second HTTP round trip plus the transfer. See docs/benchmarks.md (KV transfer).
-DEFAULT_REMOTE_PREFILL_THRESHOLD = 256
+# costs a second HTTP round trip plus the transfer. Measured break-even on this project's
+# machine: ~25 tokens (benchmarks/disagg_latency.py, docs/benchmarks.md); 64 leaves room
+# for the error of the router's characters-per-token estimate.
+DEFAULT_REMOTE_PREFILL_THRESHOLD = 64
 
 
 @dataclass(slots=True)
@@ -46,7 +48,7 @@ class RouterConfig:
     max_keepalive_connections: int = 256
     # Conditional disaggregation: a remote prefill only when the uncached part of the prompt
     # (estimated at chars_per_token, since the router does not tokenize) reaches the threshold.
-    disaggregate: bool = False  # off until the workers' side (issue 4) lands
+    disaggregate: bool = False  # `splitserve serve --prefill N` turns it on
     remote_prefill_threshold: int = DEFAULT_REMOTE_PREFILL_THRESHOLD
     chars_per_token: float = 4.0
     prefix_chars: int = 512

@@ -32,6 +32,7 @@ from splitserve.transfer import (
     KVTransferError,
     Lease,
     LeaseTable,
+    LoadPlan,
     RemoteKV,
     TransferConfig,
     build_transfer_params,
@@ -204,9 +205,15 @@ class DecodeSide:
             return ImportResult(remote=False, fallback="hash_mismatch")
         hits = await self.calls.call(lambda e: e.block_manager.cached_prefix(hashes, prompt))
         plan = self.planner.plan_load(remote, set(hashes[:hits]))
-        if plan.num_blocks == 0:
+        # The engine always computes the prompt's last token itself, so the block holding it
+        # is recomputed anyway: pulling it would be wasted bytes.
+        usable = (len(prompt) - 1) // self.engine.config.block_size
+        plan = LoadPlan(
+            plan.remote, tuple(i for i in plan.load_indices if i < usable), plan.hit_indices
+        )
+        if plan.num_blocks == 0:  # everything usable is held here already
             await self._release_remote(remote)
-            return ImportResult(remote=True)
+            return ImportResult(remote=False)
         dest = await self.calls.call(lambda e: e.reserve_blocks(plan.num_blocks))
         if dest is None:
             await self._release_remote(remote)
