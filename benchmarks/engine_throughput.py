@@ -114,17 +114,23 @@ def matmul_peak(n: int = 2048) -> float:
     return 2 * n**3 / best
 
 
-def param_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes a decode step reads for weights, non-embedding parameter count)."""
-    seen, total, non_embed = set(), 0, 0
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a batch-1 decode step reads: every layer weight, the final norm and the
+    output projection in full, but only one row of the embedding table. (``lm_head_t`` is a
+    separate, transposed copy even when the embeddings are tied, so it is counted on its own.)
+    """
+    total = 0
     for name, p in model.named_parameters():
-        if p.data_ptr() in seen:
-            continue
-        seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
-        if "embed" not in name:
-            non_embed += p.numel()
-    return total, non_embed
+        rows = 1 if name == "embed_tokens" else p.shape[0]
+        total += rows * p[0].numel() * p.element_size() if p.dim() > 1 else p.nbytes
+    return total
+
+
+def per_token_params(model: torch.nn.Module) -> int:
+    """Parameters every prompt token multiplies (2 FLOPs each): all but the embedding lookup
+    and the output projection, which a prefill runs only for each prompt's last token."""
+    skip = ("embed_tokens", "lm_head_t")
+    return sum(p.numel() for name, p in model.named_parameters() if name not in skip)
 
 
 def bench_decode(llm: LLM, args: argparse.Namespace, bandwidth: float) -> dict:
@@ -143,7 +149,7 @@ def bench_decode(llm: LLM, args: argparse.Namespace, bandwidth: float) -> dict:
         engine.step()
         steps += 1
     elapsed = time.perf_counter() - start
-    weights, _ = param_bytes(engine.runner.model)
+    weights = decode_weight_bytes(engine.runner.model)
     elem = next(engine.runner.model.parameters()).element_size()
     avg_ctx = args.decode_context + args.decode_steps / 2
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem * avg_ctx
@@ -167,11 +173,12 @@ def bench_prefill(llm: LLM, peak: float, vocab: int) -> dict:
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0))
     elapsed = time.perf_counter() - start
     cfg = engine.model_config
-    _, non_embed = param_bytes(engine.runner.model)
     tokens = sum(len(p) for p in prompts)
-    # 2 FLOPs per weight per token, plus causal attention (QK^T and PV) over the context.
+    # 2 FLOPs per weight per token, the output projection for each prompt's last token, and
+    # causal attention (QK^T and PV) over the context.
     attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * (512 * 513 / 2) * len(prompts)
-    flops = 2 * non_embed * tokens + attn
+    head = 2 * cfg.hidden_size * cfg.vocab_size * len(prompts)
+    flops = 2 * per_token_params(engine.runner.model) * tokens + head + attn
     return {
         "tokens_per_s": tokens / elapsed,
         "flops_per_s": flops / elapsed,

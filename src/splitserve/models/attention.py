@@ -36,17 +36,34 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decode rows ``[offset, offset + num_seqs)`` of the flat batch, attended together.
+
+    ``block_tables`` is ``[num_seqs, max_blocks]`` (padded with any valid block id) and
+    ``mask`` ``[num_seqs, 1, 1, max_blocks * B]`` is True for positions ``< context_len``.
+    """
+
+    offset: int
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+
+@dataclass(slots=True)
 class AttentionContext:
     """Per-step attention metadata, built once by the model runner and shared by all layers.
 
-    ``decode_block_tables`` is ``[D, max_blocks]`` (padded with any valid block id) and
-    ``decode_mask`` ``[D, 1, 1, max_blocks * B]`` is True for positions ``< context_len``.
+    The decodes come in small groups, each padded to its own longest context, so that a
+    group's gathered keys and values stay in cache until its SDPA reads them (see
+    ``_decode_attention``).
     """
 
     slot_mapping: torch.Tensor  # [T] long
     num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
+    decode_groups: tuple[DecodeGroup, ...] = ()
     prefills: tuple[PrefillSpan, ...] = ()
 
 
@@ -75,9 +92,9 @@ def paged_attention(
     """Attention for every token of the flat batch. ``q`` is ``[T, h, hd]``, ``k``/``v`` the
     step's own ``[T, kvh, hd]`` (already written to the cache). Returns ``[T, h, hd]``."""
     parts = []
-    d = ctx.num_decodes
-    if d:
-        parts.append(_decode_attention(q[:d], k_cache, v_cache, ctx, scale))
+    for group in ctx.decode_groups:
+        rows = slice(group.offset, group.offset + group.num_seqs)
+        parts.append(_decode_attention(q[rows], k_cache, v_cache, group, scale))
     for span in ctx.prefills:
         rows = slice(span.offset, span.offset + span.num_tokens)
         parts.append(_prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale))
@@ -88,19 +105,24 @@ def _decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    ctx: AttentionContext,
+    group: DecodeGroup,
     scale: float,
 ) -> torch.Tensor:
     """One new token per sequence, batched: gather each sequence's pages into a padded
-    ``[D, kvh, S, hd]`` and mask positions past its context length."""
-    tables = ctx.decode_block_tables
-    n = tables.shape[0]
-    keys = _gather(k_cache, tables.view(-1)).view(n, -1, *k_cache.shape[2:]).transpose(1, 2)
-    values = _gather(v_cache, tables.view(-1)).view(n, -1, *v_cache.shape[2:]).transpose(1, 2)
+    ``[n, kvh, S, hd]`` and mask positions past its context length.
+
+    The ``g = h / kvh`` query heads that share a kv head go in as ``g`` query rows of that kv
+    head (``[n, kvh, g, hd]``): with one token per sequence and a mask that depends only on
+    the key position, that is the same attention, and SDPA then runs without expanding the
+    keys and values ``g`` times for GQA."""
+    tables = group.block_tables
+    n, kvh, hd = tables.shape[0], k_cache.shape[2], k_cache.shape[3]
+    keys = _gather(k_cache, tables.view(-1)).view(n, -1, kvh, hd).transpose(1, 2)
+    values = _gather(v_cache, tables.view(-1)).view(n, -1, kvh, hd).transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=ctx.decode_mask, scale=scale, enable_gqa=True
+        q.view(n, kvh, -1, hd), keys, values, attn_mask=group.mask, scale=scale
     )
-    return out.squeeze(2)
+    return out.view(n, -1, hd)
 
 
 def _prefill_attention(

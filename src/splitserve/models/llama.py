@@ -18,12 +18,18 @@ from splitserve.models.config import ModelConfig
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with uninitialised parameters: the loader fills every one."""
+    """``y = x W^T (+ b)`` with uninitialised parameters: the loader fills every one.
+
+    ``weight`` has HF's shape ``[out, in]`` (the loader copies into it unchanged) but lives in
+    memory as ``[in, out]``, i.e. column-major: then ``W^T`` is contiguous and MKL's small-M
+    GEMM, which decode runs, streams it about 1.3x faster than the row-major layout. Large-M
+    (prefill) GEMMs run at the same speed either way.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
+            torch.empty(in_features, out_features, dtype=dtype).t(), requires_grad=False
         )
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
@@ -47,7 +53,10 @@ class RMSNorm(nn.Module):
 
 class Rotary(nn.Module):
     """RoPE tables for the step's positions, computed the way HF does (float32 outer product,
-    then cos/sin) so results match it bit for bit in float32."""
+    then cos/sin) so results match it bit for bit in float32.
+
+    The sin table comes back with the sign of rotate_half folded into its first half, so that
+    ``apply_rope`` needs no negation: ``-x2 * sin == x2 * (-sin)`` exactly."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -56,7 +65,9 @@ class Rotary(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, hd]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = emb.sin()
+        sin[..., : freqs.shape[-1]].neg_()
+        return emb.cos().to(dtype), sin.to(dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -79,10 +90,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` with the sign already in ``signed_sin`` (see
+    ``Rotary``): swapping the halves is one flip, and the sum one addcmul."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 class Attention(nn.Module):
@@ -123,7 +135,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # In place: both halves are views of a fresh tensor nothing else holds.
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
