@@ -1,0 +1,23 @@
+"""The KV tier ladder below the device pool: host RAM, then local disk (see ``base.KVTier``)."""
+
+from __future__ import annotations
+
+from splitserve.kvstore.base import BlockMeta, KVTier, StoredBlock, TierUsage
+from splitserve.kvstore.disk import DiskStats, DiskTier
+from splitserve.kvstore.host import HostTier
+from splitserve.kvstore.keyfile import generate_key, load_key
+from splitserve.kvstore.tiered import TieredStats, TieredStore
+
+__all__ = [
+    "BlockMeta",
+    "DiskStats",
+    "DiskTier",
+    "HostTier",
+    "KVTier",
+    "StoredBlock",
+    "TierUsage",
+    "TieredStats",
+    "TieredStore",
+    "generate_key",
+    "load_key",
+]

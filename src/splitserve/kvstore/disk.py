@@ -1,0 +1,303 @@
+"""Disk tier: one checksummed, optionally encrypted file per block that survives a restart.
+
+File layout (little-endian)::
+
+    +-------------------------------- header (AES-GCM associated data) -------------------+
+    | magic "SSKV" | version u16 | flags u16 | model-id hash 16B | block hash 16B |       |
+    | dtype 16B (ASCII, NUL-padded) | ndim u8 | shape 8 x u64 | body length u64 | nonce 12B |
+    +----------------------------------------------------------------------------------------+
+    | checksum u64: xxh3_64(header || body)                                                |
+    | body: payload, or AES-GCM(payload) + 16-byte tag when a key is configured            |
+    +----------------------------------------------------------------------------------------+
+
+The checksum covers the stored bytes, so a flipped byte is caught (and counted) before any
+decryption; with a key, AES-GCM also authenticates the header, so a block cannot be moved
+to another hash or model without the key.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from splitserve.kvstore.base import (
+    MAX_NDIM,
+    BlockHash,
+    BlockMeta,
+    KVTier,
+    StoredBlock,
+    TierUsage,
+    to_block,
+)
+from splitserve.kvstore.keyfile import KEY_BYTES
+
+MAGIC = b"SSKV"
+FORMAT_VERSION = 1
+FLAG_ENCRYPTED = 1
+HASH_BYTES = 16  # xxh3-128, as common.kv_hash produces
+NONCE_BYTES = 12
+_HEADER = struct.Struct(f"<4sHH16s16s16sB{MAX_NDIM}QQ{NONCE_BYTES}s")
+_CHECKSUM = struct.Struct("<Q")
+PREFIX_BYTES = _HEADER.size + _CHECKSUM.size
+SUFFIX = ".kvb"
+
+
+class BlockFileError(Exception):
+    """A block file that must be treated as a miss; ``reason`` names the counter it bumps."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class DiskStats:
+    """Why disk reads missed; the worker exports these as metrics."""
+
+    checksum_failures: int = 0
+    header_failures: int = 0
+    decrypt_failures: int = 0
+    io_errors: int = 0
+    dropped_at_scan: int = 0
+
+
+@dataclass(slots=True)
+class _Header:
+    flags: int
+    model_hash: bytes
+    block_hash: bytes
+    meta: BlockMeta
+    body_len: int
+    nonce: bytes
+
+    def pack(self) -> bytes:
+        shape = list(self.meta.shape) + [0] * (MAX_NDIM - len(self.meta.shape))
+        dtype = self.meta.dtype.encode("ascii")
+        return _HEADER.pack(
+            MAGIC, FORMAT_VERSION, self.flags, self.model_hash, self.block_hash, dtype,
+            len(self.meta.shape), *shape, self.body_len, self.nonce,
+        )  # fmt: skip
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> _Header:
+        magic, version, flags, model, bhash, dtype, ndim, *rest = _HEADER.unpack(raw)
+        shape, body_len, nonce = rest[:MAX_NDIM], rest[MAX_NDIM], rest[MAX_NDIM + 1]
+        if magic != MAGIC or version != FORMAT_VERSION or ndim > MAX_NDIM:
+            raise BlockFileError("header_failures", f"magic {magic!r} version {version}")
+        try:
+            meta = BlockMeta(dtype.rstrip(b"\0").decode("ascii"), tuple(shape[:ndim]))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise BlockFileError("header_failures", str(e)) from None
+        return cls(flags, model, bhash, meta, body_len, nonce)
+
+
+def model_id_hash(model_id: str) -> bytes:
+    return xxhash.xxh3_128(b"splitserve-kv-model\0" + model_id.encode()).digest()
+
+
+class DiskTier(KVTier):
+    """Blocks as files under ``directory/<first hash byte hex>/<hash hex>.kvb``.
+
+    Capacity counts whole files (header included). The index lives in memory and is rebuilt
+    from the directory when the tier is opened; files that do not parse, belong to another
+    model or disagree with the key configuration are deleted then. Checksums and decryption
+    are checked on read, where any failure is a miss that deletes the file. Evicted blocks
+    are deleted, not reported: disk is the last tier.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        capacity_bytes: int,
+        model_id: str,
+        key: bytes | None = None,
+        fsync: bool = True,
+    ) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if key is not None and len(key) != KEY_BYTES:
+            raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
+        self.directory = Path(directory)
+        self.capacity_bytes = capacity_bytes
+        self.stats = DiskStats()
+        self._model_hash = model_id_hash(model_id)
+        self._aead = AESGCM(key) if key is not None else None
+        self._fsync = fsync
+        self._index: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file size, LRU first
+        self._bytes_used = 0
+        self._lock = threading.Lock()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    # -- paths and encoding ------------------------------------------------------------
+
+    def _path(self, block_hash: BlockHash) -> Path:
+        name = block_hash.hex()
+        return self.directory / name[:2] / f"{name}{SUFFIX}"
+
+    def _encode(self, block_hash: BlockHash, block: StoredBlock) -> bytes:
+        encrypted = self._aead is not None
+        nonce = os.urandom(NONCE_BYTES) if encrypted else bytes(NONCE_BYTES)
+        body_len = len(block.data) + (16 if encrypted else 0)
+        flags = FLAG_ENCRYPTED if encrypted else 0
+        header = _Header(flags, self._model_hash, block_hash, block.meta, body_len, nonce).pack()
+        body = self._aead.encrypt(nonce, block.data, header) if self._aead else block.data
+        checksum = xxhash.xxh3_64(header)
+        checksum.update(body)
+        return header + _CHECKSUM.pack(checksum.intdigest()) + body
+
+    def _check_header(self, header: _Header, block_hash: BlockHash, file_size: int) -> None:
+        if header.model_hash != self._model_hash or header.block_hash != block_hash:
+            raise BlockFileError("header_failures", "other model or block hash")
+        if bool(header.flags & FLAG_ENCRYPTED) != (self._aead is not None):
+            raise BlockFileError("decrypt_failures", "encryption does not match the key config")
+        if PREFIX_BYTES + header.body_len != file_size:
+            raise BlockFileError("header_failures", "length does not match the file size")
+
+    def _decode(self, block_hash: BlockHash, raw: bytes) -> StoredBlock:
+        if len(raw) < PREFIX_BYTES:
+            raise BlockFileError("header_failures", "truncated file")
+        header_raw, body = raw[: _HEADER.size], raw[PREFIX_BYTES:]
+        (stored_checksum,) = _CHECKSUM.unpack_from(raw, _HEADER.size)
+        checksum = xxhash.xxh3_64(header_raw)
+        checksum.update(body)
+        if checksum.intdigest() != stored_checksum:
+            raise BlockFileError("checksum_failures", "checksum mismatch")
+        header = _Header.unpack(header_raw)
+        self._check_header(header, block_hash, len(raw))
+        if self._aead is not None:
+            try:
+                body = self._aead.decrypt(header.nonce, body, header_raw)
+            except InvalidTag:
+                raise BlockFileError("decrypt_failures", "wrong key or tampered") from None
+        return to_block(body, header.meta)
+
+    # -- start-up scan -----------------------------------------------------------------
+
+    def _scan(self) -> None:
+        found: list[tuple[float, BlockHash, int]] = []
+        for path in self.directory.glob("*/*"):
+            entry = self._scan_file(path)
+            if entry is not None:
+                found.append(entry)
+        found.sort()  # oldest access first: the LRU order survives the restart
+        with self._lock:
+            for _, block_hash, size in found:
+                self._index[block_hash] = size
+                self._bytes_used += size
+            self._make_room(0)
+
+    def _scan_file(self, path: Path) -> tuple[float, BlockHash, int] | None:
+        try:
+            block_hash = bytes.fromhex(path.name.removesuffix(SUFFIX))
+            if not path.name.endswith(SUFFIX) or len(block_hash) != HASH_BYTES:
+                raise BlockFileError("header_failures", "not a block file name")
+            st = path.stat()
+            with open(path, "rb") as f:
+                header = _Header.unpack(f.read(_HEADER.size).ljust(_HEADER.size, b"\0"))
+            self._check_header(header, block_hash, st.st_size)
+        except (BlockFileError, ValueError, OSError, struct.error):
+            # Leftover temp files of a crashed write land here too.
+            self.stats.dropped_at_scan += 1
+            path.unlink(missing_ok=True)
+            return None
+        return st.st_mtime, block_hash, st.st_size
+
+    # -- the tier interface ------------------------------------------------------------
+
+    def put(
+        self,
+        block_hash: BlockHash,
+        data: bytes | bytearray | memoryview | np.ndarray,
+        meta: BlockMeta | None = None,
+    ) -> bool:
+        if len(block_hash) != HASH_BYTES:
+            raise ValueError(f"block hash must be {HASH_BYTES} bytes, got {len(block_hash)}")
+        if self._touch(block_hash):
+            return True
+        raw = self._encode(block_hash, to_block(data, meta))
+        if len(raw) > self.capacity_bytes:
+            return False
+        try:
+            self._write_atomic(self._path(block_hash), raw)
+        except OSError:
+            self.stats.io_errors += 1
+            return False
+        with self._lock:
+            if block_hash not in self._index:
+                self._make_room(len(raw))
+                self._index[block_hash] = len(raw)
+                self._bytes_used += len(raw)
+        return True
+
+    def _write_atomic(self, path: Path, raw: bytes) -> None:
+        # Write then rename: a reader or a restart sees the whole file or none of it.
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(raw)
+                if self._fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _make_room(self, size: int) -> None:
+        """Delete least-recently-used files until ``size`` more bytes fit; holds the lock."""
+        while self._index and self._bytes_used + size > self.capacity_bytes:
+            victim, victim_size = self._index.popitem(last=False)
+            self._bytes_used -= victim_size
+            self._path(victim).unlink(missing_ok=True)
+
+    def _touch(self, block_hash: BlockHash) -> bool:
+        with self._lock:
+            if block_hash not in self._index:
+                return False
+            self._index.move_to_end(block_hash)
+        try:
+            os.utime(self._path(block_hash))  # the access time a restart orders LRU by
+        except OSError:
+            pass
+        return True
+
+    def load(self, block_hash: BlockHash) -> StoredBlock | None:
+        if not self._touch(block_hash):
+            return None
+        try:
+            raw = self._path(block_hash).read_bytes()
+            return self._decode(block_hash, raw)
+        except BlockFileError as e:
+            setattr(self.stats, e.reason, getattr(self.stats, e.reason) + 1)
+        except (OSError, ValueError):
+            self.stats.io_errors += 1
+        self.evict(block_hash)
+        return None
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        with self._lock:
+            return block_hash in self._index
+
+    def evict(self, block_hash: BlockHash) -> bool:
+        with self._lock:
+            size = self._index.pop(block_hash, None)
+            if size is None:
+                return False
+            self._bytes_used -= size
+            self._path(block_hash).unlink(missing_ok=True)
+            return True
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(self._bytes_used, self.capacity_bytes, len(self._index))
