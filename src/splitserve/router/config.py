@@ -12,7 +12,7 @@ from splitserve.router.worker import Worker
 
 # Below this many uncached prompt tokens the decode worker prefills locally: a remote leg
 # costs a second HTTP round trip plus the transfer. Measured break-even on this project's
-# machine: ~25 tokens (benchmarks/disagg_latency.py, docs/benchmarks.md); 64 leaves room
+# machine: ~30 tokens (benchmarks/disagg_latency.py, docs/benchmarks.md); 64 leaves room
 # for the error of the router's characters-per-token estimate.
 DEFAULT_REMOTE_PREFILL_THRESHOLD = 64
 
