@@ -21,7 +21,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from splitserve.cluster.local import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ECHO_WORKER = ROOT / "tests" / "router" / "fake_worker.py"
@@ -51,12 +52,6 @@ def parse_args() -> argparse.Namespace:
 
 
 # ---- processes -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

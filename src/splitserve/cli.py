@@ -55,17 +55,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from splitserve.worker.main import run_worker
 
     config = EngineConfig.from_kwargs(model=args.model, **_engine_options(args))
-    disagg = _disagg_config(args)
     run_worker(
         config,
-        role=args.role,
         host=args.host,
         port=args.port,
         api_key=args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None,
         max_waiting=args.max_waiting,
         served_model_name=args.served_model_name,
         log_level=args.log_level,
-        disagg=disagg,
+        disagg=_disagg_config(args),
     )
     return 0
 

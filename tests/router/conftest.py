@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import httpx
 import pytest
 import uvicorn
 
+from splitserve.cluster.local import free_port
 from splitserve.router.app import create_app
 from splitserve.router.config import RouterConfig
 
@@ -27,12 +27,6 @@ READY_TIMEOUT_S = 30.0
 # One keep-alive client for every test request: a fresh ``httpx.post`` builds a new client
 # (and TLS context) each call, which costs tens of milliseconds.
 HTTP = httpx.Client(timeout=30.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(check, timeout_s: float = READY_TIMEOUT_S, what: str = "condition") -> None:

@@ -85,7 +85,8 @@ def router_argv(host: str, port: int, prefill: list[str], decode: list[str], ext
     return argv + list(extra)
 
 
-def free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it; reuse races are unlikely)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -21,6 +21,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# A worker is collocated ("both"), or one half of a disaggregated deployment.
+WORKER_ROLES = ("both", "prefill", "decode")
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 

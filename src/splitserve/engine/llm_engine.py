@@ -119,10 +119,6 @@ class LLMEngine:
     def block_hashes(self, token_ids: list[int], salt: str = "") -> list[bytes]:
         return hash_blocks(token_ids, root_hash(self.model_id, salt), self.config.block_size)
 
-    def cached_prefix_blocks(self, token_ids: list[int], salt: str = "") -> int:
-        """How many leading full blocks of ``token_ids`` this engine already holds."""
-        return self.block_manager.cached_prefix(self.block_hashes(token_ids, salt), token_ids)
-
     def reserve_blocks(self, num_blocks: int) -> list[int] | None:
         return self.block_manager.reserve(num_blocks)
 

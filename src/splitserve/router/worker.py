@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-ROLES = ("both", "prefill", "decode")
+from splitserve.common.protocol import WORKER_ROLES as ROLES
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,8 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from splitserve.common.protocol import WORKER_ROLES
 from splitserve.engine.outputs import KeptBlocks
 from splitserve.transfer import (
+    FaultInjection,
     KVConnectorScheduler,
     KVTransferError,
     Lease,
@@ -43,7 +45,6 @@ from splitserve.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-ROLES = ("both", "prefill", "decode")
 FAILURE_POLICIES = ("recompute", "fail")
 
 
@@ -60,8 +61,8 @@ class DisaggConfig:
     fault: str | None = None  # test-only, see transfer.faults
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role not in WORKER_ROLES:
+            raise ValueError(f"role must be one of {WORKER_ROLES}, got {self.role!r}")
         if self.failure_policy not in FAILURE_POLICIES:
             raise ValueError(f"kv-load-failure-policy must be one of {FAILURE_POLICIES}")
         if self.lease_ttl_s <= 0:
@@ -73,8 +74,6 @@ class DisaggConfig:
             )
 
     def transfer_config(self) -> TransferConfig:
-        from splitserve.transfer import FaultInjection
-
         return TransferConfig(
             secret=self.secret, encrypt=self.encrypt, fault=FaultInjection.parse(self.fault)
         )

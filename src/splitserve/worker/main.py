@@ -9,7 +9,6 @@ import uvicorn
 from splitserve.config import EngineConfig
 from splitserve.worker.disagg import DisaggConfig
 
-ROLES = ("both", "prefill", "decode")
 # How long uvicorn lets open streams finish after SIGTERM before closing them.
 GRACEFUL_SHUTDOWN_S = 3
 
@@ -17,7 +16,6 @@ GRACEFUL_SHUTDOWN_S = 3
 def run_worker(
     engine_config: EngineConfig,
     *,
-    role: str = "both",
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
@@ -26,10 +24,10 @@ def run_worker(
     log_level: str = "info",
     disagg: DisaggConfig | None = None,
 ) -> None:
-    """Load the model (the port opens only once it is ready), then serve until stopped."""
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    disagg = disagg or DisaggConfig(role=role)
+    """Load the model (the port opens only once it is ready), then serve until stopped.
+
+    ``disagg`` carries the worker's role and KV-transfer settings (default: collocated)."""
+    disagg = disagg or DisaggConfig()
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
