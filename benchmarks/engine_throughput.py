@@ -17,14 +17,15 @@ import json
 import os
 import random
 import resource
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
 from splitserve import LLM, SamplingParams  # noqa: E402
-from splitserve.models.loader import default_model_path  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -239,21 +240,11 @@ def main() -> None:
 
 
 def load_hf():
-    """transformers' own Llama on the same GGUF, dequantized by transformers' GGUF loader
-    (``from_pretrained(gguf_file=...)`` would need ``accelerate``)."""
-    from transformers import AutoConfig, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    """transformers' own Llama on the same GGUF, dequantized by transformers' GGUF loader."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from hf_reference import load_transformers_default_model
 
-    path = default_model_path()
-    directory, name = os.path.split(path)
-    config = AutoConfig.from_pretrained(directory, gguf_file=name)
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
-    model = LlamaForCausalLM(config).float()
-    model.load_state_dict(tensors, strict=False)
-    model.tie_weights()
-    return model.eval()
+    return load_transformers_default_model()[0]
 
 
 if __name__ == "__main__":

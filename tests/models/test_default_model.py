@@ -3,15 +3,13 @@ running on the same dequantized GGUF weights."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from hf_reference import load_transformers_default_model
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.plan import ScheduledChunk, StepPlan
-from splitserve.models.loader import default_model_path
 
 PROMPTS = [
     "What is the capital of France?",
@@ -24,22 +22,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
 
 @pytest.fixture(scope="module")
 def hf_model():
-    """transformers' own GGUF path (its dequantization and q/k un-permutation), built without
-    ``from_pretrained``, which insists on the ``accelerate`` package for GGUF files."""
-    from transformers import AutoConfig, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    path = default_model_path()
-    directory, name = os.path.split(path)
-    config = AutoConfig.from_pretrained(directory, gguf_file=name)
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
-    model = LlamaForCausalLM(config).float()
-    result = model.load_state_dict(tensors, strict=False)
+    """transformers on the same GGUF, through its own dequantization and q/k un-permutation."""
+    model, result = load_transformers_default_model()
     assert result.unexpected_keys == [] and result.missing_keys == ["lm_head.weight"]  # tied
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    return model.eval()
+    return model
 
 
 def greedy_with_runner(runner: ModelRunner, prompt_ids: list[int], n: int) -> list[int]:
