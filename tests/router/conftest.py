@@ -149,3 +149,53 @@ def make_router() -> Iterator:
     yield make
     for r in started:
         r.stop()
+
+
+# ---- real model workers (slow tests) ----------------------------------------------------
+
+
+class RealWorker:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "splitserve.cli",
+                "worker",
+                "--port",
+                str(self.port),
+                "--threads",
+                "1",
+                "--kv-cache-gb",
+                "0.2",
+                "--log-level",
+                "warning",
+            ],
+            start_new_session=True,
+        )
+
+    def ready(self) -> bool:
+        assert self.proc.poll() is None, "a worker exited during startup"
+        try:
+            return HTTP.get(self.url + "/health", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def real_workers() -> Iterator[list[RealWorker]]:
+    workers = [RealWorker() for _ in range(3)]
+    try:
+        for w in workers:
+            wait_until(w.ready, 300, "a model worker")
+        yield workers
+    finally:
+        for w in workers:
+            w.kill()

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 
 import pytest
 
 from splitserve.router.proxy import DECODE_HEADER
 
-from .conftest import HTTP, wait_until
-from .test_e2e_workers import RealWorker
+from .conftest import HTTP, RealWorker
 from .test_proxy import metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -23,18 +21,6 @@ SESSIONS = [f"mig-{i}" for i in range(6)]
 MAX_TOKENS = 80  # long enough that a kill after a few chunks lands mid-stream
 KILL_AFTER_CHUNKS = 4
 MIGRATED = ": splitserve migrated to"
-
-
-@pytest.fixture(scope="module")
-def workers() -> Iterator[list[RealWorker]]:
-    started = [RealWorker() for _ in range(3)]
-    try:
-        for w in started:
-            wait_until(w.ready, 300, "a model worker")
-        yield started
-    finally:
-        for w in started:
-            w.kill()
 
 
 class Stream:
@@ -121,8 +107,9 @@ def homes(router_url: str) -> dict[str, str]:
 
 
 def test_killed_worker_mid_stream_fails_no_request_and_greedy_output_is_unchanged(
-    workers, make_router
+    real_workers, make_router
 ):
+    workers = real_workers
     router = make_router(workers=[w.url for w in workers])
     clean, _ = run_streams(router.url)
     reference = {s: st.result() for s, st in clean.items()}

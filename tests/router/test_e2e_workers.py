@@ -5,18 +5,11 @@ Slow (three model processes on loopback): ``pytest -m slow tests/router``.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from collections.abc import Iterator
-
-import httpx
 import pytest
 
 from splitserve.router.proxy import DECODE_HEADER
 
-from .conftest import HTTP, free_port, wait_until
+from .conftest import HTTP
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -25,53 +18,6 @@ SYSTEM = (
     "tests, and propose small patches. Always explain the failing test first, then the "
     "fix, then how you verified it. Keep every answer short and precise. "
 ) * 2
-
-
-class RealWorker:
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "splitserve.cli",
-                "worker",
-                "--port",
-                str(self.port),
-                "--threads",
-                "1",
-                "--kv-cache-gb",
-                "0.2",
-                "--log-level",
-                "warning",
-            ],
-            start_new_session=True,
-        )
-
-    def ready(self) -> bool:
-        assert self.proc.poll() is None, "a worker exited during startup"
-        try:
-            return HTTP.get(self.url + "/health", timeout=1.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def real_workers() -> Iterator[list[RealWorker]]:
-    workers = [RealWorker() for _ in range(3)]
-    try:
-        for w in workers:
-            wait_until(w.ready, 300, "a model worker")
-        yield workers
-    finally:
-        for w in workers:
-            w.kill()
 
 
 def turn(router, messages: list[dict], key: str | None) -> tuple[str, str, dict]:
