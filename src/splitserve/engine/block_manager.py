@@ -67,6 +67,12 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def reusable_blocks(self, num_tokens: int) -> int:
+        """How many leading blocks of a ``num_tokens`` prompt can come from a cache: all
+        full blocks but one holding the last token, which is always computed (its logits
+        give the next token), so no computed token is ever written into a shared block."""
+        return (num_tokens - 1) // self.block_size
+
     def lookup(self, h: BlockHash, tokens: tuple[int, ...]) -> int | None:
         """The block holding KV for ``h``, if cached and its tokens really match."""
         block_id = self._cached.get(h)
@@ -77,12 +83,10 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """Cached blocks that cover a prefix of ``seq``'s tokens, without taking them.
 
-        At least one token is always left to compute (it yields the next token's logits), so
-        a fully cached prompt reuses all but its last block; no computed token is ever written
-        into a block that another sequence may share.
+        See ``reusable_blocks`` for why a fully cached prompt still computes its last block.
         """
         bs = self.block_size
-        max_blocks = (seq.num_tokens - 1) // bs
+        max_blocks = self.reusable_blocks(seq.num_tokens)
         block_ids: list[int] = []
         hashes: list[BlockHash] = []
         parent = seq.root_hash
@@ -117,7 +121,7 @@ class BlockManager:
         seq.block_table = list(match.block_ids)
         seq.block_hashes = list(match.hashes)
         seq.num_computed_tokens = match.num_blocks * self.block_size
-        self.prefix_queries += (seq.num_tokens - 1) // self.block_size
+        self.prefix_queries += self.reusable_blocks(seq.num_tokens)
         self.prefix_hits += match.num_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:

@@ -204,9 +204,8 @@ class DecodeSide:
             return ImportResult(remote=False, fallback="hash_mismatch")
         hits = await self.calls.call(lambda e: e.block_manager.cached_prefix(hashes, prompt))
         plan = self.planner.plan_load(remote, set(hashes[:hits]))
-        # The engine always computes the prompt's last token itself, so the block holding it
-        # is recomputed anyway: pulling it would be wasted bytes.
-        usable = (len(prompt) - 1) // self.engine.config.block_size
+        # Blocks past what the prefix cache may reuse are recomputed anyway: don't pull them.
+        usable = self.engine.block_manager.reusable_blocks(len(prompt))
         plan = LoadPlan(
             plan.remote, tuple(i for i in plan.load_indices if i < usable), plan.hit_indices
         )
