@@ -121,9 +121,14 @@ def _add_kv_tier_args(p: argparse.ArgumentParser) -> None:
 
 
 def _tier_config(args: argparse.Namespace):
+    """The tier flags as a config; a bad key file fails here, before the model loads."""
     from splitserve.config import KVTierConfig
+    from splitserve.kvstore import load_key
 
-    return KVTierConfig(**{field: getattr(args, field_of(flag)) for flag, field in _TIER_FLAGS})
+    cfg = KVTierConfig(**{field: getattr(args, field_of(flag)) for flag, field in _TIER_FLAGS})
+    if cfg.encryption_key_file is not None:
+        load_key(cfg.encryption_key_file)
+    return cfg
 
 
 def field_of(flag: str) -> str:
