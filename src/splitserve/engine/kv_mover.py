@@ -10,6 +10,7 @@ the engine steps: the policy holds a reference on the blocks of every copy in fl
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -29,8 +30,10 @@ from splitserve.transfer.kv_pages import (
     scatter_blocks,
 )
 
-_STOP = None
-# Tier names by ladder position, for metrics: what a load's slowest block came from.
+# Loads first: a request waits on them, while a save only has to land before its block is
+# needed again. Saves keep their order among themselves (a counter breaks ties).
+_LOAD, _SAVE, _STOP = 0, 1, 2
+# Hears of each load: (the slowest tier it read, seconds, blocks loaded).
 LoadObserver = Callable[[str, float, int], None]  # (tier, seconds, blocks)
 
 
@@ -50,7 +53,8 @@ class KVMover:
         self.on_load = on_load
         self.meta = BlockMeta(dtype_name(kv_cache.dtype), block_shape(kv_cache))
         self.block_nbytes = block_nbytes(kv_cache)
-        self._jobs: queue.SimpleQueue[BlockCopy | None] = queue.SimpleQueue()
+        self._jobs: queue.PriorityQueue[tuple[int, int, BlockCopy | None]] = queue.PriorityQueue()
+        self._order = itertools.count()
         self._done: list[CopyDone] = []
         self._cv = threading.Condition()
         self._pending = 0
@@ -63,7 +67,8 @@ class KVMover:
         with self._cv:
             self._pending += len(copies)
         for copy in copies:
-            self._jobs.put(copy)
+            priority = _LOAD if copy.kind == "load" else _SAVE
+            self._jobs.put((priority, next(self._order), copy))
 
     def completed(self) -> list[CopyDone]:
         """Copies finished since the last call."""
@@ -79,14 +84,14 @@ class KVMover:
 
     def close(self, timeout_s: float = 5.0) -> bool:
         """Finish the copies already submitted, then stop; True if the thread ended in time."""
-        self._jobs.put(_STOP)
+        self._jobs.put((_STOP, next(self._order), None))
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
     # ---- mover thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        while (copy := self._jobs.get()) is not _STOP:
+        while (copy := self._jobs.get()[2]) is not None:
             try:
                 ok = self._save(copy) if copy.kind == "save" else self._load(copy)
             except Exception:  # a failed copy is a miss or an unsaved block, never a crash
