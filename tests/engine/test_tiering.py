@@ -76,15 +76,38 @@ def test_a_partial_load_registers_what_verified_and_recomputes_the_rest():
     assert tiering.stats.load_misses == 3 and tiering.stats.blocks_loaded == 1
 
 
-def test_no_room_to_load_into_waits_and_nothing_below_computes():
+def test_a_load_takes_the_free_blocks_there_are_and_waits_when_none():
     lower = Lower(hash_blocks(list(range(1, 19)), ROOT, BS))
     sched, tiering = make(num_blocks=3, lower=lower)
-    assert tiering.start_load(seq("a", 18), sched.block_manager.match_prefix(seq("a", 18))) is (
-        Admission.WAIT
-    )
-    fresh = seq("b", 18, first=100)
-    assert tiering.start_load(fresh, sched.block_manager.match_prefix(fresh)) is Admission.COMPUTE
-    assert fresh.tier_checked and not tiering.take_copies()
+    a, b = seq("a", 18), seq("b", 18)  # the same prompt
+    bm = sched.block_manager
+    assert tiering.start_load(a, bm.match_prefix(a)) is Admission.LOADING
+    [load] = tiering.take_copies()
+    assert load.block_ids == [0, 1, 2]  # 3 of the 4 held below; the 4th is recomputed
+    other = Lower(hash_blocks(list(range(100, 118)), ROOT, BS))
+    tiering.lower = other
+    c = seq("c", 18, first=100)
+    assert tiering.start_load(c, bm.match_prefix(c)) is Admission.WAIT  # no block free
+    assert not c.tier_checked
+    assert tiering.start_load(b, bm.match_prefix(b)) is Admission.WAIT  # a's load brings it
+    d = seq("d", 18, first=200)
+    assert tiering.start_load(d, bm.match_prefix(d)) is Admission.COMPUTE  # nothing below
+    assert d.tier_checked and not tiering.take_copies()
+
+
+def test_a_request_waits_for_the_prefetch_that_brings_its_prefix():
+    tokens = list(range(1, 19))
+    sched, tiering = make(lower=Lower(hash_blocks(tokens, ROOT, BS)))
+    assert tiering.prefetch(tokens, ROOT) == 4
+    [load] = tiering.take_copies()
+    s = seq("a", 18)
+    sched.add(s)
+    assert not sched.schedule() and sched.has_unfinished()  # waits: no second load
+    assert not tiering.take_copies()
+    tiering.complete(CopyDone(load.copy_id, 4))
+    plan = sched.schedule()
+    assert [(c.start_pos, c.num_tokens) for c in plan.chunks] == [(16, 2)]
+    assert s.num_cached_tokens == 16
 
 
 def test_completed_blocks_are_saved_once_and_held_until_the_copy_is_done():
@@ -111,8 +134,9 @@ def test_aborting_a_loading_sequence_still_lands_its_blocks():
     sched.schedule()
     [load] = tiering.take_copies()
     assert sched.abort("a").status is SequenceStatus.FINISHED
-    assert not sched.has_unfinished()
+    assert sched.has_unfinished()  # until its load lands
     assert tiering.complete(CopyDone(load.copy_id, 4)) is None
+    assert not sched.has_unfinished()
     assert sched.block_manager.match_prefix(seq("b", 18)).num_blocks == 4
 
 

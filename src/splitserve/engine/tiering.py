@@ -114,6 +114,7 @@ class Tiering:
         self.loading: dict[str, Sequence] = {}  # sequences waiting for their load
         self._copies: list[BlockCopy] = []  # decided, not yet handed to the mover
         self._in_flight: dict[int, BlockCopy] = {}
+        self._arriving: set[BlockHash] = set()  # hashes of loads in flight
         self._ids = itertools.count()
         self._pins: OrderedDict[str, _Pin] = OrderedDict()  # oldest first
         if lower is not None:
@@ -123,8 +124,8 @@ class Tiering:
 
     @property
     def busy(self) -> bool:
-        """Whether a sequence is waiting on a load (the engine must keep stepping)."""
-        return bool(self.loading)
+        """Whether a load is in flight (the engine must keep stepping to land it)."""
+        return bool(self.loading or self._arriving)
 
     @property
     def loads_in_flight(self) -> int:
@@ -150,7 +151,9 @@ class Tiering:
         if self.lower is None or seq.tier_checked:
             return Admission.COMPUTE
         parent = match.hashes[-1] if match.hashes else seq.root_hash
-        hashes = self._held_below(seq.token_ids, parent, match.num_blocks)
+        hashes, arriving = self._held_below(seq.token_ids, parent, match.num_blocks)
+        if arriving and not hashes:
+            return Admission.WAIT  # its next blocks are being loaded already (a prefetch)
         if not hashes:
             seq.tier_checked = True
             return Admission.COMPUTE
@@ -168,29 +171,36 @@ class Tiering:
         usable = self.bm.reusable_blocks(len(token_ids))
         hashes = hash_blocks(token_ids[: usable * self.bm.block_size], root, self.bm.block_size)
         held = self.bm.cached_prefix(hashes, token_ids)
-        below = self._held_below(token_ids, hashes[held - 1] if held else root, held)
+        below, _ = self._held_below(token_ids, hashes[held - 1] if held else root, held)
         copy = self._plan_load(token_ids, below, held, None) if below else None
         return 0 if copy is None else len(copy.block_ids)
 
-    def _held_below(self, token_ids: list[int], parent: BlockHash, start: int) -> list[BlockHash]:
-        """Hashes of the reusable blocks from ``start`` on that lower tiers hold, in a row."""
+    def _held_below(
+        self, token_ids: list[int], parent: BlockHash, start: int
+    ) -> tuple[list[BlockHash], bool]:
+        """Hashes of the reusable blocks from ``start`` on that lower tiers hold, in a row,
+        up to one a load in flight brings already (then also True)."""
         bs = self.bm.block_size
         end = self.bm.reusable_blocks(len(token_ids))
         hashes = []
         for h in hash_blocks(token_ids[start * bs : end * bs], parent, bs):
+            if h in self._arriving:
+                return hashes, True
             if not self.lower.contains(h):  # type: ignore[union-attr]
                 break
             hashes.append(h)
-        return hashes
+        return hashes, False
 
     def _plan_load(
         self, token_ids: list[int], hashes: list[BlockHash], start: int, request_id: str | None
     ) -> BlockCopy | None:
-        """Reserve device blocks for ``hashes`` (blocks ``start ..`` of ``token_ids``) and
-        queue their load; None when the pool has no room for them now."""
-        block_ids = self.bm.reserve(len(hashes))
+        """Reserve device blocks for ``hashes`` (blocks ``start ..`` of ``token_ids``), as
+        many as are free now, and queue their load; None when no block is free."""
+        hashes = hashes[: self.bm.num_free_blocks]
+        block_ids = self.bm.reserve(len(hashes)) if hashes else None
         if block_ids is None:
             return None
+        self._arriving.update(hashes)
         bs = self.bm.block_size
         tokens = token_ids[start * bs : (start + len(hashes)) * bs]
         copy = BlockCopy(next(self._ids), "load", block_ids, hashes, tokens, request_id)
@@ -229,6 +239,7 @@ class Tiering:
             self.stats.blocks_saved += done.num_ok
             return None
         ok = done.num_ok
+        self._arriving.difference_update(copy.hashes)
         self.stats.blocks_loaded += ok
         self.stats.load_misses += len(copy.block_ids) - ok
         self.bm.release(copy.block_ids[ok:])
