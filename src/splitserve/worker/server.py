@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from splitserve.common.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    KVPrefetchRequest,
     ModelCard,
     ModelList,
     make_id,
@@ -44,9 +45,12 @@ from splitserve.worker.responses import (
     completion_response,
     sse_events,
 )
+from splitserve.worker.tier_metrics import TierCollector
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
+# How long a stopping worker waits for pending KV tier copies and disk writes.
+TIER_FLUSH_S = 5.0
 T = TypeVar("T")
 
 
@@ -76,6 +80,8 @@ def create_app(
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     metrics = WorkerMetrics(lambda: async_engine.load)
     kv = _KVSides.build(disagg or DisaggConfig(), engine, async_engine, metrics)
+    if getattr(engine, "tiering", None) is not None:
+        TierCollector(engine, metrics.registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -84,6 +90,9 @@ def create_app(
         yield
         kv.stop()
         async_engine.shutdown()
+        close = getattr(engine, "close", None)  # pending KV tier writes land within seconds
+        if close is not None and not close(TIER_FLUSH_S):
+            log.warning("KV tier writes still pending after %.0fs; dropped", TIER_FLUSH_S)
 
     app = FastAPI(title="splitserve worker", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.async_engine = async_engine
@@ -180,6 +189,18 @@ def _api_routes(
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model.name, max_model_len=model.max_model_len)])
 
+    @router.post("/v1/kv/prefetch")
+    async def prefetch(request: Request) -> dict[str, Any]:
+        ids = await _prefetch_ids(request, model)
+        engine = async_engine.engine
+        if getattr(engine, "prefetch", None) is None:
+            return {"object": "kv.prefetch", "blocks": 0}
+        try:
+            blocks = await async_engine.call(lambda e: e.prefetch(ids))
+        except EngineError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from e
+        return {"object": "kv.prefetch", "blocks": blocks}
+
     @router.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req = _check_model(await _parse(request, ChatCompletionRequest), model)
@@ -216,6 +237,41 @@ async def _parse(request: Request, schema: type[M]) -> M:
         raise from_validation_error(e) from e
 
 
+async def _prefetch_ids(request: Request, model: ModelInfo) -> list[int]:
+    """The prompt a prefetch hint names: token ids, or a chat or completion request body."""
+    hint = await _parse(request, KVPrefetchRequest)
+    if hint.prompt_token_ids is not None:
+        ids = hint.prompt_token_ids
+    elif hint.messages is not None:
+        ids = chat_input(await _parse(request, ChatCompletionRequest), model).prompt_token_ids
+    elif hint.prompt is not None:
+        ids = completion_input(await _parse(request, CompletionRequest), model).prompt_token_ids
+    else:
+        raise bad_request("name the prompt: prompt_token_ids, messages or prompt")
+    if not ids or any(t < 0 or t >= model.vocab_size for t in ids):
+        raise bad_request(
+            f"prompt_token_ids must be non-empty, each in [0, {model.vocab_size})",
+            param="prompt_token_ids",
+        )
+    return ids
+
+
+def _retention(req: ChatCompletionRequest | CompletionRequest, request: Request, engine: Any):
+    """``add_request`` keywords for the ``kv_retention`` extension (none when absent)."""
+    if req.kv_retention is None:
+        return {}
+    tiers = engine.config.kv_tiers
+    ttl = req.kv_retention.ttl_s
+    ttl = tiers.retention_ttl_s if ttl is None else ttl
+    if ttl > tiers.retention_max_ttl_s:
+        raise bad_request(
+            f"kv_retention.ttl_s may be at most {tiers.retention_max_ttl_s:g} seconds",
+            param="kv_retention.ttl_s",
+        )
+    session = request.headers.get("x-session-id") or req.user
+    return {"retention_s": ttl, "session_id": session}
+
+
 def _check_model(req: M, model: ModelInfo) -> M:
     name = req.model  # type: ignore[attr-defined]
     if name is not None and name != model.name:
@@ -235,10 +291,11 @@ async def _serve(
 ) -> Response:
     request_id = make_id("chatcmpl" if chat else "cmpl")
     tools = chat and offers_tools(req)  # type: ignore[arg-type]
+    options = _retention(req, request, async_engine.engine)
     inp, keep = await _kv_transfer(req, inp, kv)
     try:
         stream = await async_engine.add(
-            request_id, inp.prompt_token_ids, inp.params, inp.prompt, keep_blocks=keep
+            request_id, inp.prompt_token_ids, inp.params, inp.prompt, keep_blocks=keep, **options
         )
     except QueueFull as e:
         raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full") from e
