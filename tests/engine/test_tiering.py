@@ -165,16 +165,20 @@ def test_a_session_holds_one_pin_and_the_total_is_bounded():
     assert tiering.pinned_blocks == 2 and list(tiering._pins) == ["s2"]
 
 
-def test_tool_calls_pin_with_the_default_ttl_and_aborts_never_pin():
-    sched, tiering = make(retention=RetentionConfig(10.0))
+def test_pin_takes_a_cached_prefix_within_quota_and_aborts_never_pin():
+    # ``pin`` is what the serving layer uses after a reply that called tools.
+    sched, tiering = make(retention=RetentionConfig(10.0, quota_blocks=2))
     a = seq("a", 9)
-    a.params = SamplingParams(max_tokens=5)
     sched.add(a)
-    sched.update(sched.schedule(), StepResult({"a": 7}))  # prompt computed, still running
-    sched.finish(a, "tool_calls")
-    assert tiering.pinned_blocks == 2
+    run(sched)
+    bm = sched.block_manager
+    cached = bm.cached_blocks(hash_blocks(list(range(1, 10)), ROOT, BS), list(range(1, 10)))
+    assert cached == [0, 1]
+    assert tiering.pin("s", cached + [5], 3.0) == 2  # quota: 2 blocks
+    assert [bm.blocks[i].ref_count for i in (0, 1)] == [1, 1]
+    assert tiering.pin("s", [], 3.0) == 0 and tiering.pinned_blocks == 0  # replaced, released
     b = seq("b", 9, first=50, retention_s=5.0)
     sched.add(b)
     sched.schedule()
     sched.abort("b")
-    assert tiering.pinned_blocks == 2
+    assert tiering.pinned_blocks == 0

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from procs import metric, start_worker, stop_group, wait_healthy
+from tool_chat import WEATHER_TOOL, few_shot_tool_calls
 
 from splitserve.cli import main as cli_main
 from splitserve.common.kv_hash import hash_blocks, root_hash
@@ -270,3 +271,23 @@ def test_bad_kv_retention_is_a_400(workers, body):
 def test_bad_prefetch_is_a_400(workers, body):
     r = httpx.post(f"{workers.url('host')}/v1/kv/prefetch", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+def test_a_reply_that_calls_tools_pins_its_session(workers):
+    # Last in this module: the other tests count pins and expect none to be held.
+    url = workers.url("host")
+    pins = 'splitserve:kv_tier_pins_total{event="pinned"}'
+    body = {"messages": few_shot_tool_calls("Paris"), "max_tokens": 40, "temperature": 0}
+    plain = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+    assert plain["choices"][0]["finish_reason"] == "stop"
+    assert metric(url, "splitserve:kv_tier_pinned_blocks") == 0  # no tools offered: no pin
+    before = metric(url, pins)
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        headers={"X-Session-Id": "agent-tools"},
+        json={**body, "tools": [WEATHER_TOOL]},
+        timeout=120,
+    ).json()
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    assert metric(url, pins) == before + 1
+    assert metric(url, "splitserve:kv_tier_pinned_blocks") == int(QUOTA * 21)

@@ -181,11 +181,18 @@ class BlockManager:
 
     def cached_prefix(self, hashes: list[BlockHash], token_ids: list[int]) -> int:
         """How many leading blocks of a chain are already cached here (tokens checked)."""
+        return len(self.cached_blocks(hashes, token_ids))
+
+    def cached_blocks(self, hashes: list[BlockHash], token_ids: list[int]) -> list[int]:
+        """The blocks holding the leading cached part of a chain (tokens checked)."""
         bs = self.block_size
+        block_ids = []
         for i, h in enumerate(hashes):
-            if self.lookup(h, tuple(token_ids[i * bs : (i + 1) * bs])) is None:
-                return i
-        return len(hashes)
+            block_id = self.lookup(h, tuple(token_ids[i * bs : (i + 1) * bs]))
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
 
     def reserve(self, num_blocks: int) -> list[int] | None:
         """Take ``num_blocks`` free blocks (evicting LRU cached ones) to be filled from outside,

@@ -161,6 +161,18 @@ class LLMEngine:
         self._start_copies()
         return n
 
+    def retain_prefix(
+        self, token_ids: list[int], session_id: str, ttl_s: float | None = None, salt: str = ""
+    ) -> int:
+        """Pin what the device pool still holds of ``token_ids``' KV (a finished reply's prompt
+        and output) as ``session_id``'s pin, for ``ttl_s`` (default: the configured TTL);
+        returns how many blocks it pinned. The serving layer calls this after a reply that
+        called tools: the session is coming back once the tool has run."""
+        hashes = self.block_hashes(token_ids, salt)
+        block_ids = self.block_manager.cached_blocks(hashes, token_ids)
+        ttl = self.tiering.retention.default_ttl_s if ttl_s is None else ttl_s
+        return self.tiering.pin(session_id, block_ids, ttl)
+
     def housekeeping(self) -> None:
         """Between steps, also when idle: apply finished tier copies and expire pins."""
         if self.kv_tiers is not None:

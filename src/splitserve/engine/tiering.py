@@ -13,7 +13,7 @@ copy holds a reference on its device blocks until it is done, so a block is neve
 while its bytes are read, nor read by the model while they are written.
 
 Retention: a finished request may keep its leading blocks pinned in the device pool for a
-TTL (``kv_retention.ttl_s``, or the default after a finish in tool calls), at most
+TTL (``kv_retention.ttl_s``, or the default after a reply that called tools), at most
 ``quota_blocks`` per session and ``max_pinned_blocks`` in all; when a pin expires (or a
 newer pin needs the room) its blocks go to the head of the eviction queue, down the ladder.
 """
@@ -251,24 +251,26 @@ class Tiering:
     # ---- retention -----------------------------------------------------------------------
 
     def retain(self, seq: Sequence) -> None:
-        """On finish: pin ``seq``'s leading cached blocks if it asked for retention or
-        ended in tool calls (call before its blocks are freed)."""
-        ttl = seq.retention_s
-        if ttl is None and seq.finish_reason == "tool_calls":
-            ttl = self.retention.default_ttl_s
-        if not ttl or seq.finish_reason == "abort":
-            return
-        session = seq.session_id or seq.request_id
+        """On finish: pin ``seq``'s leading cached blocks if it asked for retention (call
+        before its blocks are freed)."""
+        if seq.retention_s and seq.finish_reason != "abort":
+            cached = seq.block_table[: len(seq.block_hashes)]
+            self.pin(seq.session_id or seq.request_id, cached, seq.retention_s)
+
+    def pin(self, session: str, block_ids: list[int], ttl_s: float) -> int:
+        """Pin cached ``block_ids`` (a prefix) for ``ttl_s`` as ``session``'s one pin, within
+        its quota; returns how many blocks it pinned."""
         self._unpin(session)
         limit = min(self.retention.quota_blocks, self.retention.max_pinned_blocks)
-        block_ids = seq.block_table[: min(len(seq.block_hashes), limit)]
-        if not block_ids:
-            return
+        block_ids = block_ids[:limit]
+        if not block_ids or ttl_s <= 0:
+            return 0
         while self.pinned_blocks + len(block_ids) > self.retention.max_pinned_blocks:
             self._unpin(next(iter(self._pins)))  # the oldest pin makes room
         self.bm.acquire(block_ids)
-        self._pins[session] = _Pin(list(block_ids), self.clock() + ttl)
+        self._pins[session] = _Pin(list(block_ids), self.clock() + ttl_s)
         self.stats.pins += 1
+        return len(block_ids)
 
     def expire_pins(self) -> int:
         """Unpin (and demote) every pin whose TTL has passed; returns how many."""

@@ -8,7 +8,7 @@ import dataclasses
 import hmac
 import json
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -26,6 +26,7 @@ from splitserve.common.protocol import (
     make_id,
 )
 from splitserve.common.sampling_params import InvalidParameter
+from splitserve.engine.outputs import RequestOutput
 from splitserve.worker.async_engine import AsyncEngine, EngineError, EngineLike, QueueFull
 from splitserve.worker.disagg import DecodeSide, DisaggConfig, KVLoadFailed, PrefillSide
 from splitserve.worker.errors import APIError, bad_request, from_validation_error, install_handlers
@@ -268,8 +269,28 @@ def _retention(req: ChatCompletionRequest | CompletionRequest, request: Request,
             f"kv_retention.ttl_s may be at most {tiers.retention_max_ttl_s:g} seconds",
             param="kv_retention.ttl_s",
         )
-    session = request.headers.get("x-session-id") or req.user
-    return {"retention_s": ttl, "session_id": session}
+    return {"retention_s": ttl, "session_id": _session_of(req, request)}
+
+
+def _session_of(req: ChatCompletionRequest | CompletionRequest, request: Request) -> str | None:
+    """The session a request belongs to, for retention quotas: as the router keys it."""
+    return request.headers.get("x-session-id") or req.user
+
+
+def _tool_call_pin(
+    async_engine: AsyncEngine, session: str
+) -> Callable[[RequestOutput], Awaitable[None]]:
+    """What to do when a reply called tools: keep the session's KV pinned in the device pool
+    for the default TTL, since the session returns with the tool's result."""
+
+    async def pin(out: RequestOutput) -> None:
+        ids = out.prompt_token_ids + out.outputs[0].token_ids
+        try:
+            await async_engine.call(lambda e: e.retain_prefix(ids, session))
+        except EngineError:
+            log.warning("could not pin the KV of session %s after its tool calls", session)
+
+    return pin
 
 
 def _check_model(req: M, model: ModelInfo) -> M:
@@ -292,6 +313,9 @@ async def _serve(
     request_id = make_id("chatcmpl" if chat else "cmpl")
     tools = chat and offers_tools(req)  # type: ignore[arg-type]
     options = _retention(req, request, async_engine.engine)
+    on_tool_calls = None
+    if tools and hasattr(async_engine.engine, "retain_prefix"):
+        on_tool_calls = _tool_call_pin(async_engine, _session_of(req, request) or request_id)
     inp, keep = await _kv_transfer(req, inp, kv)
     try:
         stream = await async_engine.add(
@@ -308,7 +332,15 @@ async def _serve(
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         prompt_ids = inp.prompt_token_ids if req.return_token_ids else None
         events = sse_events(
-            stream, tracker, request_id, model.name, chat, include_usage, prompt_ids, tools
+            stream,
+            tracker,
+            request_id,
+            model.name,
+            chat,
+            include_usage,
+            prompt_ids,
+            tools,
+            on_tool_calls,
         )
         return SSEResponse(events, headers={"Cache-Control": "no-cache"})
     try:
@@ -322,6 +354,8 @@ async def _serve(
         params = kv.prefill.grant(request_id, out.kept_blocks, len(out.prompt_token_ids))
     if chat:
         response = chat_response(request_id, model.name, out, params, req.return_token_ids, tools)
+        if on_tool_calls and response.choices[0].finish_reason == "tool_calls":
+            await on_tool_calls(out)
     else:
         response = completion_response(request_id, model.name, out, params, req.return_token_ids)
     return JSONResponse(response.model_dump())
