@@ -6,9 +6,11 @@ import argparse
 import os
 import sys
 
+from splitserve.bench.cli import add_bench_parser
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.cli import add_router_parser
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
+from splitserve.router.policies import POLICIES
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -136,7 +138,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         decode=args.decode,
         threads_per_worker=args.threads_per_worker,
         kv_transport=args.kv_transport,
-        router_args=["--remote-prefill-threshold", str(args.remote_prefill_threshold)],
+        router_args=[
+            *("--remote-prefill-threshold", str(args.remote_prefill_threshold)),
+            *("--policy", args.policy),
+        ],
     )
     worker_args = ["--dtype", args.dtype, "--kv-cache-gb", str(args.kv_cache_gb)]
     for flag, value in (
@@ -218,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill remotely only when the uncached prompt is at least this long",
     )
     serve.add_argument(
+        "--policy",
+        default="session",
+        choices=sorted(POLICIES),
+        help="the router's decode placement (default: session)",
+    )
+    serve.add_argument(
         "--ready-timeout",
         type=float,
         default=600.0,
@@ -227,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     add_router_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
