@@ -58,6 +58,9 @@ DEPLOYMENTS = {
         ),
         Deployment("disagg", True, ("--policy", "round-robin"), "P/D pools, round-robin decode"),
         Deployment("disagg-session", True, ("--policy", "session"), "P/D pools, session affinity"),
+        # Once `splitserve serve` takes the KV tier flags (issue 6), the tiered deployment is:
+        # Deployment("disagg-session-tiers", True, ("--policy", "session", "--host-kv-gb",
+        #            "2"), "P/D pools, session affinity, host-RAM KV tier"),
     )
 }
 
@@ -143,7 +146,8 @@ def _sweep_one(args, dep: Deployment, workers: int, workload, loads: list[Load],
             s = run.summary
             print(
                 f"{dep.name} {load.describe()}: goodput {s.request_goodput:.3f} req/s, "
-                f"session goodput {s.session_goodput:.3f}/s, failed {s.failed}",
+                f"session goodput {s.session_goodput:.3f}/s, TTFT p50 {s.ttft.median:.0f} ms, "
+                f"TPOT p50 {s.tpot.median:.0f} ms, failed {s.failed}",
                 flush=True,
             )
     return out
