@@ -6,9 +6,11 @@ import argparse
 import os
 import sys
 
+from splitserve.bench.cli import add_bench_parser
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.cli import add_router_parser
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
+from splitserve.router.policies import POLICIES
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -224,7 +226,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         decode=args.decode,
         threads_per_worker=args.threads_per_worker,
         kv_transport=args.kv_transport,
-        router_args=["--remote-prefill-threshold", str(args.remote_prefill_threshold)],
+        router_args=[
+            *("--remote-prefill-threshold", str(args.remote_prefill_threshold)),
+            *("--policy", args.policy),
+        ],
     )
     _tier_config(args)  # bad tier flags fail here, not in every worker
     worker_args = ["--dtype", args.dtype, "--kv-cache-gb", str(args.kv_cache_gb)]
@@ -309,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill remotely only when the uncached prompt is at least this long",
     )
     serve.add_argument(
+        "--policy",
+        default="session",
+        choices=sorted(POLICIES),
+        help="the router's decode placement (default: session)",
+    )
+    serve.add_argument(
         "--ready-timeout",
         type=float,
         default=600.0,
@@ -323,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("path", help="where to write the key (refuses to overwrite)")
     keygen.set_defaults(func=cmd_keygen)
     add_router_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
