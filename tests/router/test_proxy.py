@@ -74,6 +74,19 @@ def test_streaming_passes_every_chunk_through(workers3, make_router):
     assert events[-1] == "data: [DONE]"
 
 
+def test_streams_that_offer_tools_are_relayed_without_migration_bookkeeping(workers3, make_router):
+    # The worker holds back possible tool-call text, which a resumed leg could not rebuild:
+    # the router must not ask for token ids (its resume bookkeeping) on such streams.
+    router = make_router(workers=urls(workers3[:1]))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for extra, wants_ids in (({}, True), ({"tools": tools}, False)):
+        body = chat(stream=True, **extra)
+        with HTTP.stream("POST", router.url + "/v1/chat/completions", timeout=30.0, json=body) as r:
+            assert r.read().endswith(b"data: [DONE]\n\n")
+        seen = workers3[0].seen()[-1]["body"]
+        assert seen.get("return_token_ids", False) is wants_ids
+
+
 def test_client_errors_pass_through_without_retry(workers3, make_router):
     router = make_router(workers=urls(workers3))
     r = post(router, chat(max_tokens=400), {"X-Session-Id": "a"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import openai
 import pytest
@@ -207,6 +208,68 @@ def test_tool_conversation_is_accepted(client, worker):
         model=worker.model, messages=messages, tools=tools, max_tokens=8, temperature=0
     )
     assert r.choices[0].message.content is not None and r.usage.completion_tokens >= 1
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def few_shot_tool_calls(city: str) -> list[dict]:
+    """A conversation that makes the bundled model answer with a Hermes tool call (its own
+    template ignores ``tools``, so earlier turns show the format)."""
+    shot = '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}</tool_call>'
+    system = 'To call a tool, reply with <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>'
+    messages = [{"role": "system", "content": system}]
+    for past in ("Rome", "Oslo"):
+        messages.append({"role": "user", "content": f"Weather in {past}?"})
+        messages.append({"role": "assistant", "content": shot % past})
+    return messages + [{"role": "user", "content": f"Weather in {city}?"}]
+
+
+def test_a_reply_in_tool_call_format_becomes_tool_calls(client, worker):
+    messages = few_shot_tool_calls("Paris")
+    r = client.chat.completions.create(
+        model=worker.model, messages=messages, tools=[WEATHER_TOOL], max_tokens=40, temperature=0
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    # Without tools the same reply is plain text: the parser only runs when tools are offered.
+    plain = client.chat.completions.create(
+        model=worker.model, messages=messages, max_tokens=40, temperature=0
+    )
+    assert plain.choices[0].finish_reason == "stop" and not plain.choices[0].message.tool_calls
+    assert plain.choices[0].message.content.startswith("<tool_call>")
+
+
+def test_streamed_tool_calls_arrive_as_deltas_without_markup(client, worker):
+    stream = client.chat.completions.create(
+        model=worker.model,
+        messages=few_shot_tool_calls("Paris"),
+        tools=[WEATHER_TOOL],
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+    )
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert "<tool_call>" not in content and finish == "tool_calls"
+    (call,) = calls
+    assert call.index == 0 and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
 
 
 def test_kv_transfer_params_are_echoed(client, worker):

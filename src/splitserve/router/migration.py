@@ -87,6 +87,15 @@ class StreamLog:
         return self.prompt_ids is not None and not self.done
 
 
+def resumable_request(body: dict[str, Any]) -> bool:
+    """Whether a stream can be resumed on another worker if its worker fails mid-way.
+
+    Not when the request offers tools: the worker holds back text that may be a tool call
+    until the reply ends, so a resumed leg (plain ``/v1/completions``) could not rebuild the
+    calls. Such a stream is relayed as it is and ends with an error event on a failure."""
+    return not body.get("tools") or body.get("tool_choice") == "none"
+
+
 class StreamRelay:
     """Relays one request's SSE stream leg by leg, recording tokens and re-shaping chunks.
 

@@ -29,7 +29,13 @@ from splitserve.router.config import RouterConfig
 from splitserve.router.errors import RouterError, no_worker
 from splitserve.router.membership import Membership
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.migration import IncompleteStream, StreamLog, StreamRelay, with_token_ids
+from splitserve.router.migration import (
+    IncompleteStream,
+    StreamLog,
+    StreamRelay,
+    resumable_request,
+    with_token_ids,
+)
 from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.policies.session import SyncedRing
 from splitserve.router.session import prefix_key, session_key
@@ -110,7 +116,7 @@ class Proxy:
         if placement.kv_params is not None:
             body = disagg.decode_body(body, placement.kv_params)
         stream = body.get("stream") is True
-        if stream:
+        if stream and resumable_request(body):
             log = StreamLog.of(body, chat=path.endswith("/chat/completions"))
             placement.relay = StreamRelay(log, body)
             placement.headers, placement.excluded = headers, excluded

@@ -54,7 +54,7 @@ def chat_input(req: ChatCompletionRequest, model: ModelInfo) -> EngineInput:
     if req.tool_choice not in _TOOL_CHOICES:
         raise bad_request("only tool_choice 'auto' and 'none' are supported", param="tool_choice")
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
-    tools = req.tools if req.tool_choice != "none" else None
+    tools = req.tools if offers_tools(req) else None
     try:
         ids = list(model.tokenizer.apply_chat_template(messages, tools=tools))
     except Exception as e:  # a template may reject a conversation (role order, missing field)
@@ -63,6 +63,11 @@ def chat_input(req: ChatCompletionRequest, model: ModelInfo) -> EngineInput:
     max_tokens = req.max_completion_tokens or req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     return EngineInput(ids, None, _sampling_params(req, ids, max_tokens, param, model))
+
+
+def offers_tools(req: ChatCompletionRequest) -> bool:
+    """Whether the model is shown the request's tools (and its calls parsed from the reply)."""
+    return bool(req.tools) and req.tool_choice != "none"
 
 
 def completion_input(req: CompletionRequest, model: ModelInfo) -> EngineInput:

@@ -27,6 +27,7 @@ from splitserve.common.protocol import (
 from splitserve.engine.outputs import RequestOutput
 from splitserve.worker.async_engine import EngineError, RequestStream
 from splitserve.worker.metrics import RequestTracker
+from splitserve.worker.tool_calls import ToolCallStream, finish_reason_with_calls, parse_tool_calls
 
 DONE = "data: [DONE]\n\n"
 
@@ -48,12 +49,21 @@ def chat_response(
     out: RequestOutput,
     kv_transfer_params: dict | None,
     token_ids: bool = False,
+    tools: bool = False,
 ) -> ChatCompletionResponse:
+    """``tools``: the request offered tools, so calls in the reply become ``tool_calls``."""
     completion = out.outputs[0]
     top, per_choice = token_id_fields(out, token_ids)
+    reply = parse_tool_calls(completion.text) if tools else None
+    message = (
+        ResponseMessage(content=reply.content, tool_calls=reply.tool_calls)
+        if reply
+        else ResponseMessage(content=completion.text)
+    )
+    calls = reply.tool_calls if reply else []
     choice = ChatChoice(
-        message=ResponseMessage(content=completion.text),
-        finish_reason=completion.finish_reason,
+        message=message,
+        finish_reason=finish_reason_with_calls(completion.finish_reason, calls),
         **per_choice,
     )
     return ChatCompletionResponse(
@@ -163,6 +173,16 @@ class _Chunks:
             chunk["prompt_token_ids"], self.prompt_token_ids = self.prompt_token_ids, None
         return _sse(chunk)
 
+    def tool_calls(self, calls: list[dict[str, Any]]) -> str:
+        """One chunk with every call whole: names and arguments are known only at the end."""
+        delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        return _sse(
+            {
+                **self.head,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+            }
+        )
+
     def usage(self, out: RequestOutput) -> str:
         return _sse({**self.head, "choices": [], "usage": usage_of(out).model_dump()})
 
@@ -180,26 +200,38 @@ async def sse_events(
     chat: bool,
     include_usage: bool,
     prompt_token_ids: list[int] | None = None,
+    tools: bool = False,
 ) -> AsyncIterator[str]:
     """The server-sent events of one streamed completion, ending with ``data: [DONE]``.
 
     With ``prompt_token_ids`` (the ``return_token_ids`` extension) the first chunk carries
     them and every token gets a chunk with its ids, even one whose text is held back (empty):
-    a reader must see every generated id to resume the stream elsewhere.
+    a reader must see every generated id to resume the stream elsewhere. With ``tools``,
+    text that may be a tool call is held back and sent at the end as ``tool_calls``.
     """
     chunks = _Chunks(request_id, model, chat, include_usage, prompt_token_ids)
     with_ids = prompt_token_ids is not None
+    calls = ToolCallStream() if tools else None
     if chat:
         yield chunks.choice("", None, role=True)
     try:
         async for out in stream:
             tracker.on_output(out)
+            text = calls.feed(out.delta_text) if calls else out.delta_text
             if with_ids and out.delta_token_ids:
-                yield chunks.tokens(out.delta_text, out.delta_token_ids)
-            elif out.delta_text:
-                yield chunks.text(out.delta_text)
+                yield chunks.tokens(text, out.delta_token_ids)
+            elif text:
+                yield chunks.text(text)
             if out.finished:
-                yield chunks.choice(None if chat else "", out.outputs[0].finish_reason)
+                finish_reason = out.outputs[0].finish_reason
+                if calls:
+                    reply = calls.finish()
+                    if reply.content:
+                        yield chunks.text(reply.content)
+                    if reply.tool_calls:
+                        yield chunks.tool_calls(reply.tool_calls)
+                    finish_reason = finish_reason_with_calls(finish_reason, reply.tool_calls)
+                yield chunks.choice(None if chat else "", finish_reason)
                 if include_usage:
                     yield chunks.usage(out)
     except EngineError as e:

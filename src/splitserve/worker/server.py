@@ -35,6 +35,7 @@ from splitserve.worker.prepare import (
     chat_input,
     completion_input,
     model_not_found,
+    offers_tools,
 )
 from splitserve.worker.responses import (
     SSEResponse,
@@ -233,6 +234,7 @@ async def _serve(
     kv: _KVSides,
 ) -> Response:
     request_id = make_id("chatcmpl" if chat else "cmpl")
+    tools = chat and offers_tools(req)  # type: ignore[arg-type]
     inp, keep = await _kv_transfer(req, inp, kv)
     try:
         stream = await async_engine.add(
@@ -249,7 +251,7 @@ async def _serve(
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         prompt_ids = inp.prompt_token_ids if req.return_token_ids else None
         events = sse_events(
-            stream, tracker, request_id, model.name, chat, include_usage, prompt_ids
+            stream, tracker, request_id, model.name, chat, include_usage, prompt_ids, tools
         )
         return SSEResponse(events, headers={"Cache-Control": "no-cache"})
     try:
@@ -258,11 +260,13 @@ async def _serve(
         return Response(status_code=499)  # nobody is listening; the request was aborted
     except EngineError as e:
         raise APIError(500, str(e)) from e
-    build = chat_response if chat else completion_response
     params = req.kv_transfer_params
     if out.kept_blocks is not None and kv.prefill is not None:
         params = kv.prefill.grant(request_id, out.kept_blocks, len(out.prompt_token_ids))
-    response = build(request_id, model.name, out, params, req.return_token_ids)
+    if chat:
+        response = chat_response(request_id, model.name, out, params, req.return_token_ids, tools)
+    else:
+        response = completion_response(request_id, model.name, out, params, req.return_token_ids)
     return JSONResponse(response.model_dump())
 
 
