@@ -152,7 +152,9 @@ class CostModel:
         if num_tokens <= 0:
             return 0.0
         hw = self.hw
-        bw, latency = (hw.link_bw, hw.link_latency_s) if same_node else (hw.net_bw, hw.net_latency_s)
+        bw, latency = (
+            (hw.link_bw, hw.link_latency_s) if same_node else (hw.net_bw, hw.net_latency_s)
+        )
         return latency + num_tokens * self.kv_bytes_per_token_gpu / bw
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.plan import StepPlan, StepResult
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig
-from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.engine.sequence import Sequence
 from splitserve.sim.cost_model import CostModel, DecodeLine, StepShape
 
 
@@ -64,7 +64,9 @@ class SimEngine:
         self.config = config
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len),
+            SchedulerConfig(
+                config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
+            ),
             self.block_manager,
         )
         self.outputs = outputs
@@ -179,11 +181,16 @@ class SimEngine:
         try:
             out = self.outputs
             sampled = {
-                c.request_id: out(c.request_id)[c.num_output_tokens] for c in plan.chunks if c.sample
+                c.request_id: out(c.request_id)[c.num_output_tokens]
+                for c in plan.chunks
+                if c.sample
             }
             return s.update(plan, StepResult(sampled))
         finally:
             s.running = head + s.running
+
+    def admission_possible(self) -> bool:
+        return self._can_admit()
 
     def _can_admit(self) -> bool:
         """Whether the real scheduler could admit a waiting sequence next step (all running
@@ -328,7 +335,7 @@ class SimEngine:
             return
         running = self.scheduler.running
         i = self._n_dec
-        while i < len(running) and running[i].num_uncomputed_tokens == 1:
+        while i < len(running) and _decoding(running[i]):
             seq = running[i]
             self._base[seq] = self.steps
             self._ctx_base += seq.num_computed_tokens - self.steps
@@ -357,5 +364,7 @@ class SimEngine:
         self._n_dec = 0
 
 
-def is_decoding(seq: Sequence) -> bool:
-    return seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
+def _decoding(seq: Sequence) -> bool:
+    """Past its prefill: one uncomputed token, and the first token already reported (a prompt
+    whose chunk stopped one short of its end still samples its first token in a real step)."""
+    return seq.num_uncomputed_tokens == 1 and seq.num_output_tokens > 0
