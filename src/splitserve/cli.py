@@ -9,6 +9,7 @@ import sys
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.cli import add_router_parser
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
+from splitserve.sim.cli import add_sim_parser
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -227,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     add_router_parser(sub)
+    add_sim_parser(sub)
     return parser
 
 

@@ -212,7 +212,7 @@ class Cluster:
         except ValueError as e:  # prompt over the context limit: the worker answers 400
             w.router.in_flight -= 1
             self._outputs.pop(seq.request_id, None)
-            self._fail(req, str(e).split(";")[0])
+            self._fail(req, str(e))
             return
         self._kick(w)
 
@@ -323,7 +323,7 @@ class Cluster:
             d.engine.add(seq)
         except ValueError as e:
             d.router.in_flight -= 1
-            self._fail(req, str(e).split(";")[0])
+            self._fail(req, str(e))
 
     # ---- endings -------------------------------------------------------------------------
 

@@ -48,7 +48,6 @@ class CostModel:
         tp: int = 1,
         dtype: str = "bf16",
         kv_dtype: str | None = None,
-        seq_overhead_s: float = 0.0,
     ) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
@@ -57,7 +56,7 @@ class CostModel:
                 raise ValueError(f"unknown dtype {d!r}; choose from {', '.join(DTYPE_BYTES)}")
         self.model, self.hw, self.tp = model, hardware, tp
         self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
-        self.seq_overhead_s = seq_overhead_s
+        self.seq_overhead_s = hardware.seq_overhead_s
         wb = DTYPE_BYTES[dtype]
         flops = tp * hardware.flops(dtype) * hardware.compute_eff
         bw = hardware.hbm_bw * hardware.memory_eff

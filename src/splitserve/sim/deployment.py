@@ -60,7 +60,6 @@ class SimConfig:
     policy: str = "session"
     prefill_policy: str = "prefix"
     remote_prefill_threshold: int = DEFAULT_REMOTE_PREFILL_THRESHOLD
-    seq_overhead_s: float = 0.0
     exact: bool = False  # every step through the real schedule()/update() (slow; for tests)
 
     def __post_init__(self) -> None:
@@ -74,9 +73,7 @@ class SimConfig:
             raise ValueError("max_num_seqs must not exceed max_num_batched_tokens")
 
     def cost_model(self, tp: int) -> CostModel:
-        return CostModel(
-            self.model, self.hardware, tp, self.dtype, self.kv_dtype, self.seq_overhead_s
-        )
+        return CostModel(self.model, self.hardware, tp, self.dtype, self.kv_dtype)
 
     def kv_blocks(self, cost: CostModel) -> int:
         if self.kv_cache_gb is not None:

@@ -33,6 +33,7 @@ class HardwareProfile:
     compute_eff: float = 0.6
     memory_eff: float = 0.8
     step_overhead_s: float = 2e-3
+    seq_overhead_s: float = 0.0  # per scheduled sequence (host-side work that grows with batch)
     link_latency_s: float = 10e-6  # one KV transfer's setup, in the node
     net_latency_s: float = 50e-6
     allreduce_latency_s: float = 8e-6  # one small tensor-parallel all-reduce
@@ -148,7 +149,7 @@ def load_calibration(hw: HardwareProfile, path: str) -> HardwareProfile:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read calibration file {path}: {e}") from e
     fit = data.get("fit") if isinstance(data, dict) else None
-    keys = ("compute_eff", "memory_eff", "step_overhead_s")
+    keys = ("compute_eff", "memory_eff", "step_overhead_s", "seq_overhead_s")
     if not isinstance(fit, dict) or not all(isinstance(fit.get(k), int | float) for k in keys):
         raise ValueError(f"calibration file {path} has no fit with {', '.join(keys)}")
     return hw.with_fit(**{k: float(fit[k]) for k in keys})
