@@ -120,3 +120,15 @@ def test_random_requests_in_a_light_load_see_the_bare_step_times():
         )
         assert r.e2e_s == pytest.approx(prefill + decode, rel=1e-9)
     assert not math.isnan(records[0].e2e_s)
+
+
+@pytest.mark.parametrize("dep", [COLLOCATED, DISAGG], ids=["collocated", "disagg"])
+def test_inter_token_gaps_are_the_steps_each_request_took_part_in(dep):
+    cluster, records = run(config(record_itl=True), dep, AgenticConfig(seed=2), 20.0, 40)
+    checked = 0
+    for r in records:
+        if r.itl_s:
+            assert len(r.itl_s) == r.output_tokens - 1
+            assert sum(r.itl_s) == pytest.approx(r.e2e_s - r.ttft_s, rel=1e-9)
+            checked += 1
+    assert checked > 0.9 * len(records)

@@ -76,6 +76,9 @@ def _add_run_args(p: argparse.ArgumentParser, deployment: bool = True) -> None:
     s.add_argument("--slo", default="ttft:2000,tpot:100", help="ttft:MS,tpot:MS[,e2e:MS]")
     s.add_argument("--session-slo", default=None, help="jct:MS")
     s.add_argument("--json", default=None, help="write the summary (and records) here")
+    s.add_argument(
+        "--itl", action="store_true", help="record every inter-token gap (ITL statistics)"
+    )
     if deployment:
         d = p.add_argument_group("deployment")
         d.add_argument("--prefill", type=int, default=0)
@@ -122,6 +125,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         policy=args.policy,
         prefill_policy=args.prefill_policy,
         remote_prefill_threshold=args.remote_prefill_threshold,
+        record_itl=args.itl,
     )
 
 

@@ -62,6 +62,7 @@ class _Request:
     info: RequestInfo
     decode: SimWorker | None = None
     prefill: SimWorker | None = None
+    first_step: int = 0  # the decode worker's step count when the first token came
 
 
 @dataclass(slots=True)
@@ -114,6 +115,7 @@ class Cluster:
                 self.config.block_size,
                 self._outputs.__getitem__,
                 exact=self.config.exact,
+                log_steps=self.config.record_itl,
             )
             name = f"{role}{i}"
             out.append(
@@ -264,6 +266,7 @@ class Cluster:
             req = self._requests.get(seq.request_id)
             if req is not None:
                 req.record.ttft_s = self.now - req.record.start_s
+                req.first_step = w.engine.steps
         for seq in report.finished:
             if seq.keep_blocks:
                 self._prefilled(w, seq)
@@ -337,6 +340,9 @@ class Cluster:
         r.output_tokens = seq.num_output_tokens
         r.cached_tokens = seq.num_cached_tokens
         r.e2e_s = self.now - r.start_s
+        log = d.engine.step_log
+        if log is not None and seq.num_preemptions == 0:
+            r.itl_s = log.durations(req.first_step, d.engine.steps)
         self._finish(req, seq.output_token_ids)
 
     def _fail(self, req: _Request, error: str) -> None:

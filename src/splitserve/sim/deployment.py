@@ -61,6 +61,7 @@ class SimConfig:
     prefill_policy: str = "prefix"
     remote_prefill_threshold: int = DEFAULT_REMOTE_PREFILL_THRESHOLD
     exact: bool = False  # every step through the real schedule()/update() (slow; for tests)
+    record_itl: bool = False  # every request's inter-token gaps (memory grows with tokens)
 
     def __post_init__(self) -> None:
         for name in ("policy", "prefill_policy"):

@@ -21,6 +21,7 @@ form (``DecodeLine``). ``exact=True`` runs every step through the real ``schedul
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class SimEngine:
         block_size: int,
         outputs: Callable[[str], list[int]],
         exact: bool = False,
+        log_steps: bool = False,
     ) -> None:
         if config.max_num_seqs > config.max_num_batched_tokens:
             raise ValueError("max_num_seqs must not exceed max_num_batched_tokens")
@@ -71,6 +73,8 @@ class SimEngine:
         )
         self.outputs = outputs
         self.exact = exact
+        self.step_log = StepLog() if log_steps else None
+        self._duration = 0.0
         self.steps = 0  # steps taken; a decoding sequence is up to date at ``_base[seq]``
         self.busy_time = 0.0
         self._n_dec = 0  # scheduler.running[:_n_dec] are decoding
@@ -120,7 +124,8 @@ class SimEngine:
         if not plan and not self._n_dec:
             return None
         self._plan = plan
-        return self.cost.step_time(self._shape(plan))
+        self._duration = self.cost.step_time(self._shape(plan))
+        return self._duration
 
     def interrupt(self, elapsed: float) -> float | None:
         """Something arrived ``elapsed`` seconds into the current run: end the run after the
@@ -136,10 +141,14 @@ class SimEngine:
         """Apply the step (or run) begun last; what it produced."""
         report = StepReport()
         if self._run is not None:
-            steps, self._run = self._run.steps, None
+            steps, line, self._run = self._run.steps, self._run.line, None
+            if self.step_log is not None:
+                self.step_log.add_run(self.steps, steps, line)
             self._advance(self.steps + steps, report)
             return report
         plan, self._plan = self._plan, None
+        if self.step_log is not None:
+            self.step_log.add_step(self.steps, self._duration)
         self._advance(self.steps + 1, report)
         updates = self._update_tail(plan)
         for u in updates:
@@ -222,7 +231,8 @@ class SimEngine:
             self._demote_all()
             plan = self._schedule_tail()
             self._plan = plan
-            return self.cost.step_time(self._shape(plan))
+            self._duration = self.cost.step_time(self._shape(plan))
+            return self._duration
         ctx = self._ctx_base + b * (self.steps + 1)
         line = self.cost.decode_line(b, ctx)
         self._run = _Run(steps, line)
@@ -362,6 +372,37 @@ class SimEngine:
         self._finishes.clear()
         self._ctx_base = 0
         self._n_dec = 0
+
+
+class StepLog:
+    """Every step's duration, kept as runs (a ``DecodeLine``) and single steps, to give a
+    request its inter-token gaps: the durations of the steps it took part in."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []  # index of each entry's first step (0-based)
+        self._entries: list[tuple[int, float | DecodeLine]] = []  # (steps, duration or line)
+
+    def add_step(self, first: int, duration: float) -> None:
+        self._starts.append(first)
+        self._entries.append((1, duration))
+
+    def add_run(self, first: int, steps: int, line: DecodeLine) -> None:
+        self._starts.append(first)
+        self._entries.append((steps, line))
+
+    def durations(self, lo: int, hi: int) -> list[float]:
+        """Durations of steps ``lo .. hi - 1``."""
+        out: list[float] = []
+        i = max(0, bisect.bisect_right(self._starts, lo) - 1)
+        while i < len(self._entries) and self._starts[i] < hi:
+            first, (n, what) = self._starts[i], self._entries[i]
+            a, b = max(lo, first), min(hi, first + n)
+            if isinstance(what, float):
+                out.extend([what] * (b - a))
+            else:
+                out.extend(what.step(k - first) for k in range(a, b))
+            i += 1
+        return out
 
 
 def _decoding(seq: Sequence) -> bool:
