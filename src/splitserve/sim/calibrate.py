@@ -42,7 +42,14 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the samples and the fit (JSON)")
 
 
-def measure(model_path: str | None, threads: int, repeats: int) -> list[Sample]:
+def measure(
+    model_path: str | None,
+    threads: int,
+    repeats: int,
+    prefill_lens: tuple[int, ...] = PREFILL_LENS,
+    decode_batches: tuple[int, ...] = DECODE_BATCHES,
+) -> list[Sample]:
+    """Step times of the real engine: single prefills, then decode steps at each batch."""
     from splitserve.common.sampling_params import SamplingParams
     from splitserve.config import EngineConfig
     from splitserve.engine.llm_engine import LLMEngine
@@ -64,12 +71,12 @@ def measure(model_path: str | None, threads: int, repeats: int) -> list[Sample]:
         return Sample(_shape(plan), seconds)
 
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    for n in (*PREFILL_LENS[:1], *PREFILL_LENS):  # the first one warms up
+    for n in (*prefill_lens[:1], *prefill_lens):  # the first one warms up
         for _ in range(repeats):
             engine.add_request(f"c{next(counter)}", prompt(n), one)
             samples.append(timed_step())
     del samples[:repeats]
-    for b in DECODE_BATCHES:
+    for b in decode_batches:
         params = SamplingParams(max_tokens=repeats + 2, temperature=0.0, ignore_eos=True)
         ids = [f"c{next(counter)}" for _ in range(b)]
         for rid in ids:
@@ -95,8 +102,17 @@ def _shape(plan) -> StepShape:
     return StepShape(tokens, sampled, attended, kv_read, len(plan.chunks))
 
 
+def medians(samples: list[Sample]) -> list[Sample]:
+    """One sample per step shape, its median time: the machine is shared and noisy."""
+    by_shape: dict[StepShape, list[float]] = {}
+    for s in samples:
+        by_shape.setdefault(s.shape, []).append(s.seconds)
+    return [Sample(shape, float(np.median(ts))) for shape, ts in by_shape.items()]
+
+
 def fit(samples: list[Sample], cost: CostModel) -> dict[str, float]:
     """Efficiencies and overheads for ``cost``'s profile (built with both efficiencies 1)."""
+    samples = medians(samples)
     c = np.array([cost.compute_time(s.shape) for s in samples])
     m = np.array([cost.memory_time(s.shape) for s in samples])
     n = np.array([s.shape.chunks for s in samples], dtype=float)
@@ -123,9 +139,16 @@ def fit(samples: list[Sample], cost: CostModel) -> dict[str, float]:
     }
 
 
+def peak_cost_model() -> CostModel:
+    """The bundled model on cpu-local at 100% efficiency and no overhead: what ``fit`` scales."""
+    hw = get_hardware("cpu-local").with_fit(
+        compute_eff=1.0, memory_eff=1.0, step_overhead_s=0.0, seq_overhead_s=0.0
+    )
+    return CostModel(get_model("smollm2-135m"), hw, 1, "fp32")
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    hw = get_hardware("cpu-local").with_fit(compute_eff=1.0, memory_eff=1.0, step_overhead_s=0.0)
-    cost = CostModel(get_model("smollm2-135m"), hw, 1, "fp32")
+    cost = peak_cost_model()
     samples = measure(args.model_path, args.threads, args.repeats)
     result = fit(samples, cost)
     print(f"{'step':<28}{'measured ms':>12}")
