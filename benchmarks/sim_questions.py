@@ -33,8 +33,8 @@ SLOS = (
     SLO(ttft_ms=1000, tpot_ms=25),
     SLO(ttft_ms=500, tpot_ms=21),
 )
-ITL_P99_MS = 25.0
-STEADY_S = 120.0  # seconds of arrivals per run: several request lifetimes  # a per-request objective on the 99th percentile inter-token gap
+ITL_P99_MS = 25.0  # a per-request objective on the 99th percentile inter-token gap
+STEADY_S = 120.0  # seconds of arrivals per run: several request lifetimes
 
 
 def mori_config() -> SimConfig:

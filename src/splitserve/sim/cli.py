@@ -89,6 +89,8 @@ def _add_run_args(p: argparse.ArgumentParser, deployment: bool = True) -> None:
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
+    if not args.rate > 0:
+        raise ValueError(f"--rate must be > 0 sessions/s, got {args.rate}")
     name = args.workload
     if name == "agentic":
         lo, hi = args.tool_calls
