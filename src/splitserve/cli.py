@@ -11,6 +11,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.cli import add_router_parser
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
 from splitserve.router.policies import POLICIES
+from splitserve.sim.cli import add_sim_parser
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -335,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.set_defaults(func=cmd_keygen)
     add_router_parser(sub)
     add_bench_parser(sub)
+    add_sim_parser(sub)
     return parser
 
 
