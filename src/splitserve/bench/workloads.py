@@ -142,11 +142,11 @@ def session_rng(seed: int, index: int) -> np.random.Generator:
 
 
 def text_ids(rng: np.random.Generator, n: int) -> tuple[int, ...]:
-    return tuple(int(t) for t in rng.integers(TEXT_ID_BASE, TEXT_ID_BASE + len(WORDS), n))
+    return tuple(rng.integers(TEXT_ID_BASE, TEXT_ID_BASE + len(WORDS), n).tolist())
 
 
 def token_ids(rng: np.random.Generator, n: int) -> tuple[int, ...]:
-    return tuple(int(t) for t in rng.integers(TOKEN_ID_LO, TOKEN_ID_HI, n))
+    return tuple(rng.integers(TOKEN_ID_LO, TOKEN_ID_HI, n).tolist())
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,66 @@
+"""How fast the simulator runs: requests per wall-clock second at datacenter scale.
+
+Agentic sessions (the bench workload) through a disaggregated deployment of GPUS H100s
+(llama3-70b at TP8: a quarter prefill, the rest decode), at a session rate that keeps the
+cluster busy. Prints the configuration, the wall time, requests per second, and the
+projection to one million requests (the goal: 1M requests over 1,000 GPUs in <= 120 s).
+
+    .venv/bin/python benchmarks/sim_scale.py --sessions 20000 --gpus 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+from splitserve.bench.workloads import AgenticConfig
+from splitserve.sim.cluster import Cluster
+from splitserve.sim.deployment import Deployment, SimConfig
+from splitserve.sim.hardware import get_hardware
+from splitserve.sim.models import get_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sessions", type=int, default=20000)
+    ap.add_argument("--gpus", type=int, default=1000)
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--model", default="llama3-70b")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--rate-per-gpu", type=float, default=0.1, help="sessions/s per GPU")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--sort", default="tottime")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args()
+    workers = args.gpus // args.tp
+    dep = Deployment(prefill=workers // 4, decode=workers - workers // 4, tp=args.tp)
+    cfg = SimConfig(get_model(args.model), get_hardware("h100"), block_size=args.block_size)
+    rate = args.rate_per_gpu * args.gpus
+    print(f"{dep.describe()}, {args.model} on h100, block {args.block_size}; agentic at {rate:g}")
+    print(f"sessions/s, {args.sessions} sessions")
+    t0 = time.perf_counter()
+    cluster = Cluster(cfg, dep)
+    built = time.perf_counter() - t0
+    prof = cProfile.Profile() if args.profile else None
+    if prof:
+        prof.enable()
+    t1 = time.perf_counter()
+    records = cluster.run(AgenticConfig().sessions(rate), limit=args.sessions)
+    wall = time.perf_counter() - t1
+    if prof:
+        prof.disable()
+        pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
+    n = len(records)
+    ok = sum(r.ok for r in records)
+    blocks = sum(w.engine.block_manager.prefix_queries for w in cluster.workers) / max(n, 1)
+    print(f"build {built:.1f} s; run {wall:.1f} s for {n} requests ({ok} ok), {cluster.now:.0f} s")
+    print(f"simulated; {n / wall:.0f} requests/s, {1e6 * wall / n:.0f} us per request")
+    print(f"({blocks:.0f} prompt blocks looked up per request); engine events: ")
+    print(f"{sum(w.steps for w in cluster.workers)}")
+    print(f"projected 1M requests: {built + wall * 1e6 / n:.0f} s (goal <= 120 s)")
+
+
+if __name__ == "__main__":
+    main()

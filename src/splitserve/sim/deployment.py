@@ -1,0 +1,91 @@
+"""What is simulated: the deployment (worker pools) and the engine and router settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
+from splitserve.router.policies import POLICIES
+from splitserve.sim.cost_model import CostModel
+from splitserve.sim.hardware import HardwareProfile
+from splitserve.sim.models import ModelProfile
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """``prefill`` + ``decode`` disaggregated workers and ``collocated`` ones, each on
+    ``tp`` GPUs. Collocated workers take both legs, as the router's ``both`` role."""
+
+    prefill: int = 0
+    decode: int = 0
+    collocated: int = 0
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.prefill, self.decode, self.collocated) < 0 or self.tp < 1:
+            raise ValueError("worker counts must be >= 0 and tp >= 1")
+        if self.decode + self.collocated == 0:
+            raise ValueError("a deployment needs decode or collocated workers")
+
+    @property
+    def workers(self) -> int:
+        return self.prefill + self.decode + self.collocated
+
+    @property
+    def gpus(self) -> int:
+        return self.workers * self.tp
+
+    def describe(self) -> str:
+        parts = []
+        if self.prefill or self.decode:
+            parts.append(f"{self.prefill}P:{self.decode}D")
+        if self.collocated:
+            parts.append(f"{self.collocated} collocated")
+        return f"{' + '.join(parts)} at TP{self.tp} ({self.gpus} GPUs)"
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """The engine and router settings every simulated worker shares."""
+
+    model: ModelProfile
+    hardware: HardwareProfile
+    dtype: str = "bf16"
+    kv_dtype: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    kv_cache_gb: float | None = None  # per worker; None: what HBM leaves after the weights
+    policy: str = "session"
+    prefill_policy: str = "prefix"
+    remote_prefill_threshold: int = DEFAULT_REMOTE_PREFILL_THRESHOLD
+    exact: bool = False  # every step through the real schedule()/update() (slow; for tests)
+    record_itl: bool = False  # every request's inter-token gaps (memory grows with tokens)
+
+    def __post_init__(self) -> None:
+        for name in ("policy", "prefill_policy"):
+            if getattr(self, name) not in POLICIES:
+                known = ", ".join(sorted(POLICIES))
+                raise ValueError(f"unknown routing policy {getattr(self, name)!r}; use {known}")
+        if self.block_size < 1 or self.max_num_seqs < 1:
+            raise ValueError("block_size and max_num_seqs must be >= 1")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError("max_num_seqs must not exceed max_num_batched_tokens")
+
+    def cost_model(self, tp: int) -> CostModel:
+        return CostModel(self.model, self.hardware, tp, self.dtype, self.kv_dtype)
+
+    def kv_blocks(self, cost: CostModel) -> int:
+        if self.kv_cache_gb is not None:
+            tokens = int(self.kv_cache_gb * 2**30 // (cost.kv_bytes_per_token_gpu * cost.tp))
+        else:
+            tokens = cost.kv_pool_tokens()
+        return max(1, tokens // self.block_size)
+
+    def model_len(self, num_blocks: int) -> int:
+        """The engine's rule: the model's context, bounded by the KV pool and the setting."""
+        limit = min(self.model.max_context, num_blocks * self.block_size)
+        return limit if self.max_model_len is None else min(limit, self.max_model_len)

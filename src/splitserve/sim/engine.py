@@ -1,0 +1,411 @@
+"""One simulated engine: the real ``Scheduler`` and ``BlockManager``, a cost model in place of
+the model runner, and decode steps taken in bulk.
+
+Every admission, prefix-cache match, chunked prefill and preemption is the real scheduler's
+decision. What is done here instead is the one part of a step that is fully determined: a
+sequence past its prefill takes one token per step. Such *decoding* sequences always sit at
+the front of ``scheduler.running`` (admitted first, so their prefill finished first), so the
+real loop serves them first, one token each, and gives the rest of the budget to the others::
+
+    scheduler.running = [ d d d d d | p p ]      waiting = [ w w ]
+                          decoding    prefilling
+                          (here, lazily)  (the real schedule()/update() on this tail)
+
+Decoding sequences are advanced lazily: each remembers the step it was last brought up to
+date (``_base``), and is touched again only when it needs a new KV block, finishes, or the
+real scheduler must see it (preemption). When nothing else can run (no prefill, no
+admission possible), a whole run of decode steps is taken at once, its time summed in closed
+form (``DecodeLine``). ``exact=True`` runs every step through the real ``schedule()`` and
+``update()`` instead; the tests check both give the same timings.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.plan import StepPlan, StepResult
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.engine.sequence import Sequence
+from splitserve.sim.cost_model import CostModel, DecodeLine, StepShape
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What a finished step (or run of decode steps) produced."""
+
+    first_tokens: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Run:
+    steps: int
+    line: DecodeLine
+
+
+class SimEngine:
+    """``outputs(request_id)`` gives the token ids a request generates, in order."""
+
+    def __init__(
+        self,
+        cost: CostModel,
+        config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        outputs: Callable[[str], list[int]],
+        exact: bool = False,
+        log_steps: bool = False,
+    ) -> None:
+        if config.max_num_seqs > config.max_num_batched_tokens:
+            raise ValueError("max_num_seqs must not exceed max_num_batched_tokens")
+        self.cost = cost
+        self.config = config
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
+            ),
+            self.block_manager,
+        )
+        self.outputs = outputs
+        self.exact = exact
+        self.step_log = StepLog() if log_steps else None
+        self._duration = 0.0
+        self.steps = 0  # steps taken; a decoding sequence is up to date at ``_base[seq]``
+        self.busy_time = 0.0
+        self._n_dec = 0  # scheduler.running[:_n_dec] are decoding
+        self._base: dict[Sequence, int] = {}
+        self._order: dict[Sequence, int] = {}
+        self._ctx_base = 0  # sum over decoding of (computed - base): contexts in O(1)
+        # (step, tick, seq): the step at which seq needs a new block / finishes. An entry is
+        # live while its tick is the one _due holds for seq.
+        self._crossings: list[tuple[int, int, Sequence]] = []
+        self._finishes: list[tuple[int, int, Sequence]] = []
+        self._due: dict[Sequence, list[int]] = {}  # seq -> [crossing tick, finish tick]
+        self._tick = 0
+        self._blocked = False  # admission failed and nothing has freed blocks since
+        self._plan: StepPlan | None = None
+        self._run: _Run | None = None
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+        self._blocked = False
+
+    def blocks_released(self) -> None:
+        """Blocks went back to the pool from outside (a lease ended): admission may succeed."""
+        self._blocked = False
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    @property
+    def in_run(self) -> bool:
+        return self._run is not None
+
+    # ---- stepping ------------------------------------------------------------------------
+
+    def begin(self) -> float | None:
+        """Start the next step (or run of decode steps); its duration, None when idle."""
+        running = self.scheduler.running
+        if self.exact:
+            self._demote_all()
+        if running and self._n_dec == len(running) and not self._can_admit():
+            return self._begin_run()
+        if not self._allocate_decode_step():
+            self._demote_all()
+        plan = self._schedule_tail()
+        if not plan and not self._n_dec:
+            return None
+        self._plan = plan
+        self._duration = self.cost.step_time(self._shape(plan))
+        return self._duration
+
+    def interrupt(self, elapsed: float) -> float | None:
+        """Something arrived ``elapsed`` seconds into the current run: end the run after the
+        step in progress. Returns the run's new duration (None: not in a run)."""
+        run = self._run
+        if run is None:
+            return None
+        done = run.line.steps_within(elapsed, run.steps)
+        run.steps = min(run.steps, done + 1)
+        return run.line.total(run.steps)
+
+    def end(self) -> StepReport:
+        """Apply the step (or run) begun last; what it produced."""
+        report = StepReport()
+        if self._run is not None:
+            steps, line, self._run = self._run.steps, self._run.line, None
+            if self.step_log is not None:
+                self.step_log.add_run(self.steps, steps, line)
+            self._advance(self.steps + steps, report)
+            return report
+        plan, self._plan = self._plan, None
+        if self.step_log is not None:
+            self.step_log.add_step(self.steps, self._duration)
+        self._advance(self.steps + 1, report)
+        updates = self._update_tail(plan)
+        for u in updates:
+            if u.new_token is not None and u.seq.num_output_tokens == 1:
+                report.first_tokens.append(u.seq)
+            if u.finished:
+                report.finished.append(u.seq)
+        if report.finished:
+            self._blocked = False
+        self._promote()
+        return report
+
+    # ---- the real scheduler on the prefilling tail ---------------------------------------
+
+    def _schedule_tail(self) -> StepPlan:
+        s, n = self.scheduler, self._n_dec
+        head, s.running = s.running[:n], s.running[n:]
+        budget = self.config.max_num_batched_tokens - n
+        s.config.max_num_seqs = self.config.max_num_seqs - n
+        s.config.max_num_batched_tokens = budget
+        preemptions = s.num_preemptions
+        try:
+            plan = s.schedule()
+        finally:
+            s.running = head + s.running
+        # Admission stopped for want of blocks (not of budget, seats or a preemption): it
+        # stays stopped until something frees blocks, as decode steps only take more.
+        self._blocked = (
+            bool(s.waiting)
+            and s.num_preemptions == preemptions
+            and len(s.running) < self.config.max_num_seqs
+            and plan.num_tokens < budget
+        )
+        return plan
+
+    def _update_tail(self, plan: StepPlan):
+        s, n = self.scheduler, self._n_dec
+        head, s.running = s.running[:n], s.running[n:]
+        try:
+            out = self.outputs
+            sampled = {
+                c.request_id: out(c.request_id)[c.num_output_tokens]
+                for c in plan.chunks
+                if c.sample
+            }
+            return s.update(plan, StepResult(sampled))
+        finally:
+            s.running = head + s.running
+
+    def admission_possible(self) -> bool:
+        return self._can_admit()
+
+    def _can_admit(self) -> bool:
+        """Whether the real scheduler could admit a waiting sequence next step (all running
+        sequences decoding, so they take one token each of the budget)."""
+        s = self.scheduler
+        if not s.waiting or self._blocked:
+            return False
+        n = len(s.running)
+        return n < self.config.max_num_seqs and n < self.config.max_num_batched_tokens
+
+    def _shape(self, plan: StepPlan) -> StepShape:
+        b = self._n_dec
+        ctx = self._ctx_base + b * (self.steps + 1)
+        tokens, sampled, attended, kv_read = b, b, float(ctx), ctx
+        for c in plan.chunks:
+            n, s = c.num_tokens, c.start_pos
+            tokens += n
+            sampled += c.sample
+            attended += n * s + n * (n + 1) / 2
+            kv_read += s + n
+        return StepShape(tokens, sampled, attended, kv_read, b + len(plan.chunks))
+
+    # ---- decoding sequences, lazily ------------------------------------------------------
+
+    def _begin_run(self) -> float:
+        b = self._n_dec
+        steps = self._block_limited(max(1, self._next_finish() - self.steps))
+        if steps == 0:  # not even one step's blocks: the real scheduler preempts
+            self._demote_all()
+            plan = self._schedule_tail()
+            self._plan = plan
+            self._duration = self.cost.step_time(self._shape(plan))
+            return self._duration
+        ctx = self._ctx_base + b * (self.steps + 1)
+        line = self.cost.decode_line(b, ctx)
+        self._run = _Run(steps, line)
+        return line.total(steps)
+
+    def _block_limited(self, steps: int) -> int:
+        """The most steps (<= ``steps``) whose new blocks the pool holds without preemption."""
+        free, b, bs = self.block_manager.num_free_blocks, self._n_dec, self.block_manager.block_size
+        if b * (steps // bs + 1) <= free:
+            return steps
+        lo, hi = 0, steps
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._blocks_for(mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _blocks_for(self, steps: int) -> int:
+        bm, upto = self.block_manager, self.steps + steps
+        need = 0
+        for seq in self.scheduler.running[: self._n_dec]:
+            tokens = seq.num_computed_tokens + upto - self._base[seq]
+            need += max(0, bm.blocks_needed(tokens) - len(seq.block_table))
+        return need
+
+    def _allocate_decode_step(self) -> bool:
+        """Give every decoding sequence that needs one its block for the next step."""
+        step = self.steps + 1
+        due = []
+        while self._crossings and self._crossings[0][0] <= step:
+            entry = heapq.heappop(self._crossings)
+            if self._live(entry, 0):
+                due.append(entry)
+        if len(due) > self.block_manager.num_free_blocks:
+            for entry in due:
+                heapq.heappush(self._crossings, entry)
+            return False
+        for _, _, seq in due:
+            self.block_manager.append_slots(seq, step - self._base[seq])
+            self._schedule(seq)
+        return True
+
+    def _advance(self, upto: int, report: StepReport) -> None:
+        """Bring the decoding sequences to ``upto`` steps: blocks, then finishes."""
+        while self._crossings and self._crossings[0][0] <= upto:
+            entry = heapq.heappop(self._crossings)
+            if self._live(entry, 0):
+                self._materialize(entry[2], upto)
+                self._schedule(entry[2])
+        done = []
+        while self._finishes and self._finishes[0][0] <= upto:
+            entry = heapq.heappop(self._finishes)
+            if self._live(entry, 1):
+                done.append(entry[2])
+        self.steps = upto
+        done.sort(key=self._order.__getitem__)
+        for seq in done:
+            self._materialize(seq, upto)
+            self._retire(seq)
+            self.scheduler.finish(seq, "length")
+            report.finished.append(seq)
+        if done:
+            self._blocked = False
+
+    def _materialize(self, seq: Sequence, upto: int) -> None:
+        k = upto - self._base[seq]
+        if k <= 0:
+            return
+        bm = self.block_manager
+        bm.append_slots(seq, k)
+        seq.num_computed_tokens += k
+        n = seq.num_output_tokens
+        seq.token_ids.extend(self.outputs(seq.request_id)[n : n + k])
+        bm.cache_full_blocks(seq)
+        self._base[seq] = upto
+
+    def _live(self, entry: tuple[int, int, Sequence], kind: int) -> bool:
+        due = self._due.get(entry[2])
+        return due is not None and due[kind] == entry[1]
+
+    def _next_finish(self) -> int:
+        while self._finishes and not self._live(self._finishes[0], 1):
+            heapq.heappop(self._finishes)
+        return self._finishes[0][0]
+
+    def _schedule(self, seq: Sequence) -> None:
+        """File the step at which ``seq`` needs its next block."""
+        base, c = self._base[seq], seq.num_computed_tokens
+        cap = len(seq.block_table) * self.block_manager.block_size
+        self._tick += 1
+        self._due[seq][0] = self._tick
+        heapq.heappush(self._crossings, (base + cap - c + 1, self._tick, seq))
+
+    def _file_finish(self, seq: Sequence) -> None:
+        """File the step after which ``seq`` stops (its length limits; sim requests ignore
+        EOS). It never moves: each step adds one output token and one step alike."""
+        left = min(
+            seq.params.max_tokens - seq.num_output_tokens,
+            self.config.max_model_len - seq.num_tokens,
+        )
+        self._tick += 1
+        self._due[seq] = [0, self._tick]
+        heapq.heappush(self._finishes, (self._base[seq] + left, self._tick, seq))
+
+    def _promote(self) -> None:
+        """Sequences that finished their prefill join the decoding front, up to date now."""
+        if self.exact:
+            return
+        running = self.scheduler.running
+        i = self._n_dec
+        while i < len(running) and _decoding(running[i]):
+            seq = running[i]
+            self._base[seq] = self.steps
+            self._ctx_base += seq.num_computed_tokens - self.steps
+            self._file_finish(seq)
+            self._order[seq] = self._tick
+            self._schedule(seq)
+            i += 1
+        self._n_dec = i
+
+    def _retire(self, seq: Sequence) -> None:
+        del self._due[seq]
+        del self._order[seq]
+        self._ctx_base -= seq.num_computed_tokens - self._base.pop(seq)
+        self._n_dec -= 1
+
+    def _demote_all(self) -> None:
+        """Hand every decoding sequence back to the real scheduler, up to date."""
+        for seq in self.scheduler.running[: self._n_dec]:
+            self._materialize(seq, self.steps)
+        self._base.clear()
+        self._order.clear()
+        self._due.clear()
+        self._crossings.clear()
+        self._finishes.clear()
+        self._ctx_base = 0
+        self._n_dec = 0
+
+
+class StepLog:
+    """Every step's duration, kept as runs (a ``DecodeLine``) and single steps, to give a
+    request its inter-token gaps: the durations of the steps it took part in."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []  # index of each entry's first step (0-based)
+        self._entries: list[tuple[int, float | DecodeLine]] = []  # (steps, duration or line)
+
+    def add_step(self, first: int, duration: float) -> None:
+        self._starts.append(first)
+        self._entries.append((1, duration))
+
+    def add_run(self, first: int, steps: int, line: DecodeLine) -> None:
+        self._starts.append(first)
+        self._entries.append((steps, line))
+
+    def durations(self, lo: int, hi: int) -> list[float]:
+        """Durations of steps ``lo .. hi - 1``."""
+        out: list[float] = []
+        i = max(0, bisect.bisect_right(self._starts, lo) - 1)
+        while i < len(self._entries) and self._starts[i] < hi:
+            first, (n, what) = self._starts[i], self._entries[i]
+            a, b = max(lo, first), min(hi, first + n)
+            if isinstance(what, float):
+                out.extend([what] * (b - a))
+            else:
+                out.extend(what.step(k - first) for k in range(a, b))
+            i += 1
+        return out
+
+
+def _decoding(seq: Sequence) -> bool:
+    """Past its prefill: one uncomputed token, and the first token already reported (a prompt
+    whose chunk stopped one short of its end still samples its first token in a real step)."""
+    return seq.num_uncomputed_tokens == 1 and seq.num_output_tokens > 0

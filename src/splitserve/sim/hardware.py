@@ -1,0 +1,155 @@
+"""Accelerator profiles: peak throughput, memory, links, and how much of the peak one gets.
+
+Peaks are the vendors' datasheet numbers (dense, no sparsity), per GPU. ``link_bw`` is one
+GPU's one-direction bandwidth to its peers in the node (NVLink / Infinity Fabric);
+``net_bw`` its share of the scale-out network (one 400 Gb/s NIC per GPU = 50 GB/s).
+
+The efficiency factors and the step overhead are not datasheet numbers: for the GPUs they
+are the usual published operating points of a tuned serving engine (prefill GEMMs at ~60%
+of peak, decode streaming HBM at ~80% of its bandwidth, ~2 ms of scheduling, sampling and
+launch per step), stated here so that every prediction names its assumptions. ``cpu-local``
+(this machine, the bundled model at one thread) is fitted by ``splitserve sim calibrate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+GB = 1e9
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareProfile:
+    name: str
+    peak_flops: dict[str, float]  # per dtype: "bf16", "fp8", "fp32"
+    hbm_bw: float  # bytes/s
+    hbm_bytes: float
+    link_bw: float  # bytes/s, one direction, to a peer in the node
+    net_bw: float  # bytes/s, one direction, to another node
+    gpus_per_node: int = 8
+    compute_eff: float = 0.6
+    memory_eff: float = 0.8
+    step_overhead_s: float = 2e-3
+    seq_overhead_s: float = 0.0  # per scheduled sequence (host-side work that grows with batch)
+    link_latency_s: float = 10e-6  # one KV transfer's setup, in the node
+    net_latency_s: float = 50e-6
+    allreduce_latency_s: float = 8e-6  # one small tensor-parallel all-reduce
+    memory_utilization: float = 0.9  # of HBM the engine may use (weights + KV), as vLLM's
+    source: str = ""
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("hbm_bw", "hbm_bytes", "link_bw", "net_bw"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"hardware {self.name}: {name} must be > 0")
+        for name in ("compute_eff", "memory_eff", "memory_utilization"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"hardware {self.name}: {name} must be in (0, 1]")
+
+    def flops(self, dtype: str) -> float:
+        try:
+            return self.peak_flops[dtype]
+        except KeyError:
+            known = ", ".join(sorted(self.peak_flops))
+            raise ValueError(f"{self.name} has no {dtype} peak; it has {known}") from None
+
+    def with_fit(self, **values: float) -> HardwareProfile:
+        """This profile with fitted efficiency factors / overhead (from ``sim calibrate``)."""
+        return dataclasses.replace(self, **values)
+
+
+HARDWARE: dict[str, HardwareProfile] = {
+    p.name: p
+    for p in (
+        HardwareProfile(
+            name="h100",
+            peak_flops={"bf16": 989 * TFLOPS, "fp8": 1979 * TFLOPS},
+            hbm_bw=3350 * GB,
+            hbm_bytes=80 * GB,
+            link_bw=450 * GB,
+            net_bw=50 * GB,
+            source="NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOP/s BF16 and 1979 "
+            "TFLOP/s FP8 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (both directions); "
+            "ConnectX-7 400 Gb/s per GPU in DGX H100",
+        ),
+        HardwareProfile(
+            name="h200",
+            peak_flops={"bf16": 989 * TFLOPS, "fp8": 1979 * TFLOPS},
+            hbm_bw=4800 * GB,
+            hbm_bytes=141 * GB,
+            link_bw=450 * GB,
+            net_bw=50 * GB,
+            source="NVIDIA H200 Tensor Core GPU datasheet (SXM): H100's compute, 141 GB "
+            "HBM3e at 4.8 TB/s, NVLink 900 GB/s; 400 Gb/s NIC per GPU in HGX H200",
+        ),
+        HardwareProfile(
+            name="mi300x",
+            peak_flops={"bf16": 1307.4 * TFLOPS, "fp8": 2614.9 * TFLOPS},
+            hbm_bw=5300 * GB,
+            hbm_bytes=192 * GB,
+            link_bw=448 * GB,
+            net_bw=50 * GB,
+            source="AMD Instinct MI300X datasheet: 1307.4 TFLOP/s BF16 and 2614.9 TFLOP/s FP8 "
+            "dense, 192 GB HBM3 at 5.3 TB/s, 7 Infinity Fabric links of 64 GB/s per "
+            "direction (448 GB/s); 400 Gb/s NIC per GPU in an 8-GPU platform",
+        ),
+        HardwareProfile(
+            name="b200",
+            peak_flops={"bf16": 2250 * TFLOPS, "fp8": 4500 * TFLOPS},
+            hbm_bw=8000 * GB,
+            hbm_bytes=180 * GB,
+            link_bw=900 * GB,
+            net_bw=50 * GB,
+            source="NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 training (sparse) over 8 GPUs = "
+            "4.5 PFLOP/s FP8 and 2.25 PFLOP/s BF16 dense per GPU, 1,440 GB HBM3e (180 GB per "
+            "GPU) at 64 TB/s (8 TB/s per GPU), NVLink 5 at 1.8 TB/s (both directions)",
+        ),
+        # This machine, one engine thread, float32. Peaks are what a 1-thread float32 matmul
+        # and a large tensor copy reach here (benchmarks/engine_throughput.py measures both);
+        # efficiency and overhead are fitted by `splitserve sim calibrate` (docs/simulator.md).
+        HardwareProfile(
+            name="cpu-local",
+            peak_flops={"fp32": 90 * 1e9},
+            hbm_bw=16.6 * GB,
+            hbm_bytes=24 * GB,
+            link_bw=1.0 * GB,
+            net_bw=1.0 * GB,
+            gpus_per_node=64,
+            compute_eff=0.62,
+            memory_eff=0.5,
+            step_overhead_s=8e-3,
+            link_latency_s=2e-3,
+            net_latency_s=2e-3,
+            allreduce_latency_s=0.0,
+            memory_utilization=1.0,
+            source="measured on the development machine (2-core VM, no GPU): float32 matmul "
+            "at one thread and memory copy bandwidth; KV transfer over loopback TCP from "
+            "benchmarks/kv_transfer.py; fitted factors from `splitserve sim calibrate`",
+        ),
+    )
+}
+
+
+def get_hardware(name: str) -> HardwareProfile:
+    try:
+        return HARDWARE[name]
+    except KeyError:
+        known = ", ".join(sorted(HARDWARE))
+        raise ValueError(f"unknown hardware {name!r}; choose from {known}") from None
+
+
+def load_calibration(hw: HardwareProfile, path: str) -> HardwareProfile:
+    """``hw`` with the efficiency factors and overhead a ``sim calibrate --out`` file holds."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read calibration file {path}: {e}") from e
+    fit = data.get("fit") if isinstance(data, dict) else None
+    keys = ("compute_eff", "memory_eff", "step_overhead_s", "seq_overhead_s")
+    if not isinstance(fit, dict) or not all(isinstance(fit.get(k), int | float) for k in keys):
+        raise ValueError(f"calibration file {path} has no fit with {', '.join(keys)}")
+    return hw.with_fit(**{k: float(fit[k]) for k in keys})

@@ -1,0 +1,134 @@
+"""Simulated clusters: conservation, determinism, and bulk decode equal to exact stepping."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from splitserve.bench.workloads import AgenticConfig, RandomConfig
+from splitserve.sim.cluster import Cluster
+from splitserve.sim.deployment import Deployment, SimConfig
+from splitserve.sim.hardware import get_hardware
+from splitserve.sim.models import get_model
+
+COLLOCATED = Deployment(collocated=2)
+DISAGG = Deployment(prefill=1, decode=2)
+
+
+def config(**kw) -> SimConfig:
+    base = dict(max_num_seqs=32, max_num_batched_tokens=512)
+    return SimConfig(get_model("llama3-8b"), get_hardware("h100"), **{**base, **kw})
+
+
+def run(cfg: SimConfig, dep: Deployment, workload, rate: float, n: int):
+    cluster = Cluster(cfg, dep)
+    return cluster, cluster.run(workload.sessions(rate), limit=n)
+
+
+def timings(records):
+    return {(r.session_id, r.turn): (r.ok, r.ttft_s, r.e2e_s, r.cached_tokens) for r in records}
+
+
+@pytest.mark.parametrize("dep", [COLLOCATED, DISAGG], ids=["collocated", "disagg"])
+@pytest.mark.parametrize("kv_gb", [None, 0.5], ids=["roomy", "preempting"])
+def test_bulk_decode_gives_the_timings_of_exact_stepping(dep, kv_gb):
+    workload = AgenticConfig(seed=3)
+    fast_cluster, fast = run(config(kv_cache_gb=kv_gb), dep, workload, 20.0, 60)
+    exact_cluster, exact = run(config(kv_cache_gb=kv_gb, exact=True), dep, workload, 20.0, 60)
+    a, b = timings(fast), timings(exact)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key][0] == b[key][0] and a[key][3] == b[key][3], key
+        assert a[key][1] == pytest.approx(b[key][1], rel=1e-9), key
+        assert a[key][2] == pytest.approx(b[key][2], rel=1e-9), key
+    preemptions = [
+        sum(w.engine.scheduler.num_preemptions for w in c.workers)
+        for c in (fast_cluster, exact_cluster)
+    ]
+    assert preemptions[0] == preemptions[1]
+    assert (preemptions[0] > 0) == (kv_gb is not None)  # the small pool really preempts
+    # Bulk decoding is the point: far fewer engine events than steps taken.
+    assert sum(w.steps for w in fast_cluster.workers) < sum(w.steps for w in exact_cluster.workers)
+
+
+@pytest.mark.parametrize("dep", [COLLOCATED, DISAGG], ids=["collocated", "disagg"])
+def test_every_request_completes_or_is_counted_rejected(dep):
+    # A 0.25 GiB pool holds 2048 tokens: longer agentic turns are rejected, the rest preempt.
+    workload = AgenticConfig(seed=1, system_tokens=1200, min_tool_calls=3, max_tool_calls=8)
+    sessions = list(itertools.islice(workload.sessions(30.0), 80))
+    cluster = Cluster(config(kv_cache_gb=0.25), dep)
+    records = cluster.run(iter(sessions))
+    by_session = {s.session_id: s for s in sessions}
+    sent = {}
+    for r in records:
+        sent.setdefault(r.session_id, []).append(r)
+    assert set(sent) == set(by_session)
+    rejected = 0
+    for sid, rs in sent.items():
+        rs.sort(key=lambda r: r.turn)
+        spec = by_session[sid]
+        assert [r.turn for r in rs] == list(range(len(rs)))
+        for r in rs:
+            if r.ok:  # the whole reply, or cut at the context limit as the engine does
+                full = r.output_tokens == spec.turns[r.turn].output_len
+                assert full or r.prompt_tokens + r.output_tokens == cluster.max_model_len
+                assert r.ttft_s is not None and 0 < r.ttft_s <= r.e2e_s
+            else:
+                assert "maximum model length" in r.error
+                rejected += 1
+        # A session stops at its first rejected turn, else it ran every turn.
+        assert len(rs) == len(spec.turns) or not rs[-1].ok
+    assert 0 < rejected < len(records)
+    assert not cluster._requests and not cluster._outputs and not cluster._contexts
+    for w in cluster.workers:  # every block back in the pool, no lease left behind
+        assert w.engine.block_manager.num_free_blocks == cluster.num_blocks
+        assert w.router.in_flight == 0 and not w.engine.scheduler.has_unfinished()
+
+
+def test_same_seed_same_run_other_seed_other_run():
+    def once(seed):
+        _, records = run(config(), DISAGG, AgenticConfig(seed=seed), 10.0, 40)
+        return [r.to_dict() for r in records]
+
+    assert once(0) == once(0)
+    assert once(0) != once(1)
+
+
+def test_disaggregated_requests_pay_the_transfer_and_reuse_session_caches():
+    workload = AgenticConfig(seed=0)
+    cluster, records = run(config(), DISAGG, workload, 5.0, 30)
+    assert all(r.ok for r in records)
+    assert cluster.stats.remote_prefills > 0 and cluster.stats.kv_blocks_moved > 0
+    # Later turns land on their session's decode worker, which holds the earlier context.
+    later = [r for r in records if r.turn > 0]
+    assert sum(r.cached_tokens for r in later) > 0.8 * sum(r.prompt_tokens for r in later)
+
+
+def test_random_requests_in_a_light_load_see_the_bare_step_times():
+    # One request at a time on one collocated worker: TTFT is its prefill step exactly.
+    cfg = config(max_num_batched_tokens=4096)
+    cluster, records = run(cfg, Deployment(collocated=1), RandomConfig(1000, 8), 0.01, 3)
+    from splitserve.sim.cost_model import StepShape
+
+    prefill = cluster.cost.step_time(StepShape(1000, 1, 1000 * 1001 / 2, 1000, 1))
+    for r in records:
+        assert r.ttft_s == pytest.approx(prefill, rel=1e-12)
+        decode = sum(
+            cluster.cost.step_time(StepShape(1, 1, 1001 + k, 1001 + k, 1)) for k in range(7)
+        )
+        assert r.e2e_s == pytest.approx(prefill + decode, rel=1e-9)
+    assert not math.isnan(records[0].e2e_s)
+
+
+@pytest.mark.parametrize("dep", [COLLOCATED, DISAGG], ids=["collocated", "disagg"])
+def test_inter_token_gaps_are_the_steps_each_request_took_part_in(dep):
+    cluster, records = run(config(record_itl=True), dep, AgenticConfig(seed=2), 20.0, 40)
+    checked = 0
+    for r in records:
+        if r.itl_s:
+            assert len(r.itl_s) == r.output_tokens - 1
+            assert sum(r.itl_s) == pytest.approx(r.e2e_s - r.ttft_s, rel=1e-9)
+            checked += 1
+    assert checked > 0.9 * len(records)
