@@ -56,6 +56,12 @@ DEPLOYMENTS = {
         Deployment(
             "collocated-session", False, ("--policy", "session"), "collocated, session affinity"
         ),
+        Deployment(
+            "collocated-session-tiers",
+            False,
+            ("--policy", "session", "--host-kv-gb", "2"),
+            "collocated, session affinity, 2 GB host-RAM KV tier per worker",
+        ),
         Deployment("disagg", True, ("--policy", "round-robin"), "P/D pools, round-robin decode"),
         Deployment("disagg-session", True, ("--policy", "session"), "P/D pools, session affinity"),
         Deployment(
