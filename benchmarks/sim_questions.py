@@ -35,14 +35,19 @@ SLOS = (
 )
 ITL_P99_MS = 25.0  # a per-request objective on the 99th percentile inter-token gap
 STEADY_S = 120.0  # seconds of arrivals per run: several request lifetimes
+AGENTIC_RATE = 16.0  # sessions/s: enough to load the node
 
 
-def mori_config() -> SimConfig:
+MAX_NUM_SEQS = 1024  # vLLM's default for its API server on GPUs with >= 70 GiB
+
+
+def mori_config(max_num_seqs: int = MAX_NUM_SEQS) -> SimConfig:
     return SimConfig(
         get_model("qwen3-235b-a22b"),
         get_hardware("mi300x"),
         dtype="fp8",
         kv_dtype="bf16",
+        max_num_seqs=max_num_seqs,
         record_itl=True,
     )
 
@@ -57,8 +62,7 @@ def itl_goodput(result, slo: SLO) -> float:
     return good / s.duration_s
 
 
-def mori(num: int) -> None:
-    cfg = mori_config()
+def mori(cfg: SimConfig, num: int) -> None:
     workload = RandomConfig(input_len=2000, output_len=1000)
     num = max(num, int(8 * STEADY_S))
     runs = {d: simulate(cfg, d, workload, 8.0, num) for d in (DISAGG, COLLOCATED)}
@@ -98,8 +102,7 @@ def mori(num: int) -> None:
         )
 
 
-def sweep(img: str, num: int) -> None:
-    cfg = mori_config()
+def sweep(cfg: SimConfig, img: str, num: int) -> None:
     slo = SLOS[0]
     prompts, outputs, rates = (500, 2000, 8000), (100, 500, 1000), (4, 8, 16)
     print(f"\n## Goodput ratio disagg / collocated, SLO {slo.describe()}\n")
@@ -127,8 +130,7 @@ def sweep(img: str, num: int) -> None:
         )
 
 
-def agentic(img: str, num: int) -> None:
-    cfg = mori_config()
+def agentic(cfg: SimConfig, img: str, num: int) -> None:
     slo = SLOS[0]
     calls, pauses = (1, 4, 8), (0.1, 1.0, 5.0)
     grid = []
@@ -136,16 +138,18 @@ def agentic(img: str, num: int) -> None:
         row = []
         for pause in pauses:
             w = AgenticConfig(min_tool_calls=c, max_tool_calls=c, tool_pause_s=LogNormal(pause))
-            g = [simulate(cfg, d, w, 2.0, num, slo).summary.request_goodput for d in _pair()]
+            g = [
+                simulate(cfg, d, w, AGENTIC_RATE, num, slo).summary.request_goodput for d in _pair()
+            ]
             row.append(g[0] / g[1] if g[1] > 0 else float("nan"))
         grid.append(row)
-    print(f"\n## Agentic sessions at 2 sessions/s, SLO {slo.describe()}")
+    print(f"\n## Agentic sessions at {AGENTIC_RATE:g} sessions/s, SLO {slo.describe()}")
     print(f"rows: tool calls {calls}, columns: tool pause {pauses} s")
     for c, row in zip(calls, grid, strict=True):
         print(f"  {c:>2}: " + "  ".join(f"{v:5.2f}" for v in row))
     ratio_map(
         os.path.join(img, "sim_ratio_agentic.png"),
-        f"agentic sessions, 2 sessions/s, same node and SLO {slo.describe()}",
+        f"agentic sessions, {AGENTIC_RATE:g} sessions/s, same node and SLO {slo.describe()}",
         [f"{p:g}" for p in pauses],
         [str(c) for c in calls],
         grid,
@@ -162,12 +166,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--img", default="docs/img")
     ap.add_argument("--num", type=int, default=400, help="requests (sessions) per run")
+    ap.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS)
     args = ap.parse_args()
+    cfg = mori_config(args.max_num_seqs)
+    print(f"max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens 8192, block 16, KV bf16")
     os.makedirs(args.img, exist_ok=True)
     t = time.perf_counter()
-    mori(args.num)
-    sweep(args.img, args.num)
-    agentic(args.img, args.num // 4)
+    mori(cfg, args.num)
+    sweep(cfg, args.img, args.num)
+    agentic(cfg, args.img, int(AGENTIC_RATE * STEADY_S / 2))
     print(f"\n(simulated in {time.perf_counter() - t:.0f} s wall)")
 
 
