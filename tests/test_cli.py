@@ -21,3 +21,26 @@ def test_generate_bad_input_is_a_clear_error():
     assert "max_tokens" in r.stderr and "Traceback" not in r.stderr
     r = run("generate", "--prompt", "hi", "--model", "/nonexistent/model.gguf")
     assert r.returncode == 2 and "/nonexistent/model.gguf" in r.stderr
+
+
+def test_keygen_writes_a_private_key_once(tmp_path):
+    key = tmp_path / "kv.key"
+    r = run("keygen", str(key))
+    assert r.returncode == 0, r.stderr
+    assert key.stat().st_size == 32 and key.stat().st_mode & 0o777 == 0o600
+    r = run("keygen", str(key))
+    assert r.returncode == 2 and "refusing to overwrite" in r.stderr
+    r = run("keygen", str(tmp_path / "missing-dir" / "kv.key"))
+    assert r.returncode == 2 and "cannot write" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_worker_tier_flags_fail_clearly_before_loading(tmp_path):
+    disk = ["--disk-kv-dir", str(tmp_path / "kv")]
+    r = run("worker", *disk, "--kv-encryption-key-file", str(tmp_path / "none"))
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    r = run("worker", "--kv-encryption-key-file", str(tmp_path / "none"))
+    assert r.returncode == 2 and "needs a disk tier" in r.stderr
+    r = run("serve", "--host-kv-gb", "-1")
+    assert r.returncode == 2 and "host_kv_gb" in r.stderr
+    r = run("worker", *disk, "--kv-retention-quota", "2")
+    assert r.returncode == 2 and "retention_quota" in r.stderr

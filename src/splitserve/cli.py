@@ -6,9 +6,11 @@ import argparse
 import os
 import sys
 
+from splitserve.bench.cli import add_bench_parser
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.cli import add_router_parser
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
+from splitserve.router.policies import POLICIES
 from splitserve.sim.cli import add_sim_parser
 
 
@@ -55,7 +57,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from splitserve.config import EngineConfig
     from splitserve.worker.main import run_worker
 
-    config = EngineConfig.from_kwargs(model=args.model, **_engine_options(args))
+    config = EngineConfig.from_kwargs(
+        model=args.model, kv_tiers=_tier_config(args), **_engine_options(args)
+    )
     run_worker(
         config,
         host=args.host,
@@ -66,6 +70,92 @@ def cmd_worker(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         disagg=_disagg_config(args),
     )
+    return 0
+
+
+# The KV tier flags: (flag, KVTierConfig field). ``serve`` passes the same flags on.
+_TIER_FLAGS = (
+    ("--host-kv-gb", "host_kv_gb"),
+    ("--disk-kv-dir", "disk_kv_dir"),
+    ("--disk-kv-gb", "disk_kv_gb"),
+    ("--kv-encryption-key-file", "encryption_key_file"),
+    ("--kv-retention-ttl-s", "retention_ttl_s"),
+    ("--kv-retention-max-ttl-s", "retention_max_ttl_s"),
+    ("--kv-retention-quota", "retention_quota"),
+    ("--kv-retention-max-pinned", "retention_max_pinned"),
+)
+
+
+def _add_kv_tier_args(p: argparse.ArgumentParser) -> None:
+    from splitserve.config import KVTierConfig
+
+    d = KVTierConfig()
+    g = p.add_argument_group("KV tiers (see docs/kv-tiers.md)")
+    g.add_argument("--host-kv-gb", type=float, default=d.host_kv_gb, help="host-RAM KV tier size")
+    g.add_argument("--disk-kv-dir", default=None, help="directory of the disk KV tier (persists)")
+    g.add_argument("--disk-kv-gb", type=float, default=d.disk_kv_gb, help="disk KV tier size")
+    g.add_argument(
+        "--kv-encryption-key-file", default=None, help="encrypt the disk tier (splitserve keygen)"
+    )
+    g.add_argument(
+        "--kv-retention-ttl-s",
+        type=float,
+        default=d.retention_ttl_s,
+        help="seconds a session's KV stays pinned after tool calls or kv_retention {}",
+    )
+    g.add_argument(
+        "--kv-retention-max-ttl-s",
+        type=float,
+        default=d.retention_max_ttl_s,
+        help="the longest kv_retention.ttl_s a request may ask for",
+    )
+    g.add_argument(
+        "--kv-retention-quota",
+        type=float,
+        default=d.retention_quota,
+        help="blocks one session may pin, as a fraction of the device pool",
+    )
+    g.add_argument(
+        "--kv-retention-max-pinned",
+        type=float,
+        default=d.retention_max_pinned,
+        help="blocks all sessions together may pin, as a fraction of the device pool",
+    )
+
+
+def _tier_config(args: argparse.Namespace):
+    """The tier flags as a config; a bad key file fails here, before the model loads."""
+    from splitserve.config import KVTierConfig
+    from splitserve.kvstore import load_key
+
+    cfg = KVTierConfig(**{field: getattr(args, field_of(flag)) for flag, field in _TIER_FLAGS})
+    if cfg.encryption_key_file is not None:
+        load_key(cfg.encryption_key_file)
+    return cfg
+
+
+def field_of(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _tier_worker_args(args: argparse.Namespace) -> list[str]:
+    """The tier flags given to ``serve``, for its workers' command lines."""
+    out: list[str] = []
+    for flag, _ in _TIER_FLAGS:
+        value = getattr(args, field_of(flag))
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from splitserve.kvstore import generate_key
+
+    try:
+        path = generate_key(args.path)
+    except OSError as e:
+        raise ValueError(f"cannot write the key file {args.path}: {e.strerror}") from e
+    print(f"wrote a new 256-bit KV encryption key to {path} (mode 600)")
     return 0
 
 
@@ -137,9 +227,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         decode=args.decode,
         threads_per_worker=args.threads_per_worker,
         kv_transport=args.kv_transport,
-        router_args=["--remote-prefill-threshold", str(args.remote_prefill_threshold)],
+        router_args=[
+            *("--remote-prefill-threshold", str(args.remote_prefill_threshold)),
+            *("--policy", args.policy),
+        ],
     )
+    _tier_config(args)  # bad tier flags fail here, not in every worker
     worker_args = ["--dtype", args.dtype, "--kv-cache-gb", str(args.kv_cache_gb)]
+    worker_args += _tier_worker_args(args)
     for flag, value in (
         ("--threads", args.threads),
         ("--max-model-len", args.max_model_len),
@@ -202,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_args(worker)
     _add_engine_args(worker)
     _add_kv_transfer_args(worker)
+    _add_kv_tier_args(worker)
     worker.set_defaults(func=cmd_worker)
 
     serve = sub.add_parser(
@@ -219,6 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill remotely only when the uncached prompt is at least this long",
     )
     serve.add_argument(
+        "--policy",
+        default="session",
+        choices=sorted(POLICIES),
+        help="the router's decode placement (default: session)",
+    )
+    serve.add_argument(
         "--ready-timeout",
         type=float,
         default=600.0,
@@ -226,8 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_server_args(serve)
     _add_engine_args(serve)
+    _add_kv_tier_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    keygen = sub.add_parser("keygen", help="write a new key for --kv-encryption-key-file")
+    keygen.add_argument("path", help="where to write the key (refuses to overwrite)")
+    keygen.set_defaults(func=cmd_keygen)
     add_router_parser(sub)
+    add_bench_parser(sub)
     add_sim_parser(sub)
     return parser
 

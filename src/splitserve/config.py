@@ -3,10 +3,43 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(slots=True)
+class KVTierConfig:
+    """The KV tier ladder below the device pool, and retention pins (see docs/kv-tiers.md).
+
+    Tiers are off unless ``host_kv_gb > 0`` or ``disk_kv_dir`` is set; pins work either way.
+    """
+
+    host_kv_gb: float = 0.0
+    disk_kv_dir: str | None = None
+    disk_kv_gb: float = 10.0
+    encryption_key_file: str | None = None
+    write_through: bool = True  # also persist completed blocks to disk, not only evictions
+    retention_ttl_s: float = 30.0  # pin TTL after a finish in tool calls, or kv_retention {}
+    retention_max_ttl_s: float = 3600.0  # the most a request may ask for
+    retention_quota: float = 0.25  # per session, fraction of the device pool
+    retention_max_pinned: float = 0.5  # all sessions together, fraction of the device pool
+
+    def __post_init__(self) -> None:
+        for name in ("host_kv_gb", "disk_kv_gb", "retention_ttl_s", "retention_max_ttl_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        for name in ("retention_quota", "retention_max_pinned"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be a fraction in [0, 1], got {getattr(self, name)}")
+        if self.encryption_key_file is not None and self.disk_kv_dir is None:
+            raise ValueError("an encryption key file needs a disk tier (disk_kv_dir)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_kv_gb > 0 or self.disk_kv_dir is not None
 
 
 @dataclass(slots=True)
@@ -23,6 +56,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's own limit, bounded by the KV pool
     threads: int | None = None
     seed: int = 0
+    kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -13,7 +13,7 @@ import httpx
 import psutil
 from procs import free_port, stop_group
 
-from splitserve.cluster.local import LocalDeployment, WorkerProcess
+from splitserve.cluster.local import LocalDeployment, WorkerProcess, own_disk_dir
 
 # A stand-in worker that starts a child of its own and, optionally, ignores SIGTERM.
 _PARENT = """
@@ -97,3 +97,11 @@ def _port_open(port: int) -> bool:
         return True
     except httpx.HTTPError:
         return False
+
+
+def test_each_pool_worker_gets_its_own_disk_tier_directory():
+    args = ["--host-kv-gb", "1", "--disk-kv-dir", "/data/kv", "--threads", "1"]
+    assert own_disk_dir(args, "decode-1") == [
+        "--host-kv-gb", "1", "--disk-kv-dir", "/data/kv/decode-1", "--threads", "1"
+    ]  # fmt: skip
+    assert own_disk_dir(["--threads", "1"], "decode-0") == ["--threads", "1"]

@@ -113,6 +113,11 @@ def create_app(name: str, role: str) -> FastAPI:
     async def completions(request: Request):
         return await complete(request, False)
 
+    @app.post("/v1/kv/prefetch")
+    async def prefetch(request: Request):
+        seen.append({"path": request.url.path, "body": await request.json(), "headers": {}})
+        return {"object": "kv.prefetch", "blocks": 0}
+
     return app
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from splitserve.router.proxy import DECODE_HEADER, PREFILL_HEADER
 
-from .conftest import HTTP
+from .conftest import HTTP, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -189,3 +189,28 @@ def test_metrics_count_requests_per_worker_and_role(workers3, make_router):
     assert metric(router, "splitserve:router_requests_total") == 6
     text = HTTP.get(router.url + "/metrics").text
     assert 'splitserve:router_requests_total{role="decode",worker="' in text
+
+
+def test_prefetch_hint_goes_to_the_sessions_decode_worker(workers3, make_router):
+    router = make_router(workers=urls(workers3), prefetch_hints=True)
+    body = chat("hint")
+    r = post(router, body, {"X-Session-Id": "hint"})
+    home = next(w for w in workers3 if w.url == r.headers[DECODE_HEADER])
+    wait_until(lambda: any(s["path"] == "/v1/kv/prefetch" for s in home.seen()), 10, "hint")
+    [hint] = [s for s in home.seen() if s["path"] == "/v1/kv/prefetch"]
+    assert hint["body"] == body
+
+
+def test_no_prefetch_hint_unless_turned_on(workers3, make_router):
+    plain = make_router(workers=urls(workers3))
+    hinted = make_router(workers=urls(workers3), prefetch_hints=True)
+    post(plain, chat("off"), {"X-Session-Id": "off"})
+    post(hinted, chat("marker"), {"X-Session-Id": "marker"})  # sent after the plain one
+
+    def hinted_texts() -> list[str]:
+        hints = [s for w in workers3 for s in w.seen() if s["path"] == "/v1/kv/prefetch"]
+        texts = [s["body"]["messages"][0]["content"] for s in hints]
+        return [t for t in texts if t in ("hello from off", "hello from marker")]
+
+    wait_until(lambda: bool(hinted_texts()), 10, "hint")
+    assert hinted_texts() == ["hello from marker"]

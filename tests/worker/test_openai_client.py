@@ -7,6 +7,7 @@ import json
 
 import openai
 import pytest
+from tool_chat import WEATHER_TOOL, few_shot_tool_calls
 
 from splitserve.common.sampling_params import SamplingParams
 
@@ -208,28 +209,6 @@ def test_tool_conversation_is_accepted(client, worker):
         model=worker.model, messages=messages, tools=tools, max_tokens=8, temperature=0
     )
     assert r.choices[0].message.content is not None and r.usage.completion_tokens >= 1
-
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
-
-
-def few_shot_tool_calls(city: str) -> list[dict]:
-    """A conversation that makes the bundled model answer with a Hermes tool call (its own
-    template ignores ``tools``, so earlier turns show the format)."""
-    shot = '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}</tool_call>'
-    system = 'To call a tool, reply with <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>'
-    messages = [{"role": "system", "content": system}]
-    for past in ("Rome", "Oslo"):
-        messages.append({"role": "user", "content": f"Weather in {past}?"})
-        messages.append({"role": "assistant", "content": shot % past})
-    return messages + [{"role": "user", "content": f"Weather in {city}?"}]
 
 
 def test_a_reply_in_tool_call_format_becomes_tool_calls(client, worker):

@@ -111,6 +111,7 @@ class Workload(Protocol):
     time 0, for closed-loop runs); trace replays compress their own timeline to it."""
 
     name: str
+    seed: int
 
     def sessions(self, rate: float | None) -> Iterator[SessionSpec]: ...
 

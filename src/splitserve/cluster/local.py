@@ -85,6 +85,15 @@ def router_argv(host: str, port: int, prefill: list[str], decode: list[str], ext
     return argv + list(extra)
 
 
+def own_disk_dir(args: list[str], name: str) -> list[str]:
+    """Give a worker of a pool its own subdirectory of ``--disk-kv-dir``: a disk tier's
+    index belongs to one process."""
+    if "--disk-kv-dir" not in args:
+        return args
+    i = args.index("--disk-kv-dir") + 1
+    return [*args[:i], os.path.join(args[i], name), *args[i + 1 :]]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (the OS picks it; reuse races are unlikely)."""
     with socket.socket() as s:
@@ -222,6 +231,7 @@ def _pools(
         for i in range(count):
             wport = free_port(host)
             args = extra + (["--kv-transport", topology.kv_transport] if role == "prefill" else [])
+            args = own_disk_dir(args, f"{role}-{i}")
             argv = worker_argv(host, wport, model, args, role=role)
             workers.append(WorkerProcess(f"{role}-{i}", argv, f"http://{host}:{wport}", env))
     urls = {

@@ -8,6 +8,7 @@ worker ignores them, as vLLM does.
 
 splitserve's extensions to the OpenAI schema, with vLLM's names: ``top_k``, ``ignore_eos``,
 ``kv_transfer_params`` (the disaggregated-serving handshake, echoed back in responses) and
+``kv_retention`` (``{"ttl_s": N}``: keep the conversation's KV pinned for N seconds) and
 ``return_token_ids``: responses then carry ``prompt_token_ids`` (top level; in a stream, on
 the first chunk) and each choice its generated ``token_ids`` (in a stream, that chunk's). The
 router uses them to resume a stream on another worker when its worker dies.
@@ -63,6 +64,13 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
 
 
+class KVRetention(_Request):
+    """Extension: keep this conversation's KV cache pinned on the worker for ``ttl_s``
+    seconds after the reply (the client is about to run a tool and come back)."""
+
+    ttl_s: float | None = Field(default=None, ge=0.0)  # None: the worker's default
+
+
 class _SamplingFields(_Request):
     """Fields shared by chat and text completions."""
 
@@ -82,6 +90,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     kv_transfer_params: dict[str, Any] | None = None
     return_token_ids: bool = False
+    kv_retention: KVRetention | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -102,6 +111,15 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     logprobs: int | None = None
     suffix: str | None = None
+
+
+class KVPrefetchRequest(_Request):
+    """``POST /v1/kv/prefetch``: a prompt is coming, promote its cached KV now. Name it by
+    token ids, or send the chat or completion request body itself (what the router does)."""
+
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
 
 
 # ---- responses -----------------------------------------------------------------------------

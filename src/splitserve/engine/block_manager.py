@@ -13,6 +13,7 @@ head of the queue so that cached ones are evicted last, oldest first.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -38,7 +39,15 @@ class PrefixMatch(NamedTuple):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    """``on_evict(hash)`` hears of every cached block whose KV leaves the pool (the tier
+    ladder counts it as demoted: its bytes were copied down when the block completed)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        on_evict: Callable[[BlockHash], None] | None = None,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
@@ -49,6 +58,7 @@ class BlockManager:
         self._cached: dict[BlockHash, int] = {}
         self.prefix_queries = 0  # blocks looked up on admission
         self.prefix_hits = 0  # of which served from the cache
+        self.on_evict = on_evict
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -59,6 +69,11 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding KV findable under a hash (in use or free)."""
+        return len(self._cached)
 
     @property
     def num_used_blocks(self) -> int:
@@ -135,8 +150,10 @@ class BlockManager:
             self._take(block_id)
             seq.block_table.append(block_id)
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register every newly completed block of ``seq`` in the prefix cache."""
+    def cache_full_blocks(self, seq: Sequence) -> list[tuple[int, BlockHash]]:
+        """Register every newly completed block of ``seq`` in the prefix cache; returns the
+        (block id, hash) pairs it published."""
+        published: list[tuple[int, BlockHash]] = []
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
         parent = seq.block_hashes[-1] if seq.block_hashes else seq.root_hash
@@ -150,6 +167,8 @@ class BlockManager:
             if h not in self._cached and block.hash is None:
                 block.hash, block.token_ids = h, tokens
                 self._cached[h] = block.block_id
+                published.append((block.block_id, h))
+        return published
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks; the last ones are evicted first (they are the least shared)."""
@@ -162,11 +181,18 @@ class BlockManager:
 
     def cached_prefix(self, hashes: list[BlockHash], token_ids: list[int]) -> int:
         """How many leading blocks of a chain are already cached here (tokens checked)."""
+        return len(self.cached_blocks(hashes, token_ids))
+
+    def cached_blocks(self, hashes: list[BlockHash], token_ids: list[int]) -> list[int]:
+        """The blocks holding the leading cached part of a chain (tokens checked)."""
         bs = self.block_size
+        block_ids = []
         for i, h in enumerate(hashes):
-            if self.lookup(h, tuple(token_ids[i * bs : (i + 1) * bs])) is None:
-                return i
-        return len(hashes)
+            block_id = self.lookup(h, tuple(token_ids[i * bs : (i + 1) * bs]))
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
 
     def reserve(self, num_blocks: int) -> list[int] | None:
         """Take ``num_blocks`` free blocks (evicting LRU cached ones) to be filled from outside,
@@ -199,6 +225,18 @@ class BlockManager:
                 self._cached[h] = block_id
         self.release(block_ids)
 
+    def acquire(self, block_ids: list[int]) -> None:
+        """Add one reference to each block (a pin, or a copy in flight that must not see the
+        block reused); undone by ``release``."""
+        for block_id in block_ids:
+            self._take(block_id)
+
+    def demote(self, block_ids: list[int]) -> None:
+        """Move those of ``block_ids`` that are free to the head of the eviction queue."""
+        for block_id in reversed(block_ids):
+            if block_id in self._free:
+                self._free.move_to_end(block_id, last=False)
+
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference from each block (a reservation or a lease)."""
         for block_id in reversed(block_ids):
@@ -224,4 +262,6 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None:
             del self._cached[block.hash]
+            if self.on_evict is not None:
+                self.on_evict(block.hash)
             block.hash, block.token_ids = None, ()

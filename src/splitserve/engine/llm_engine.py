@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from splitserve.common.kv_hash import hash_blocks, root_hash
 from splitserve.common.sampling_params import InvalidParameter, SamplingParams
@@ -13,6 +14,15 @@ from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.outputs import CompletionOutput, KeptBlocks, RequestOutput
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.tiering import RetentionConfig, Tiering
+from splitserve.kvstore.ladder import Ladder, build_ladder
+
+if TYPE_CHECKING:
+    from splitserve.engine.kv_mover import KVMover
+
+# With nothing to run but a load in flight, the engine sleeps at most this long before
+# checking for new requests again (a finished load wakes it at once).
+LOAD_POLL_S = 0.01
 
 
 @dataclass(slots=True)
@@ -46,6 +56,12 @@ class LLMEngine:
         )
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.max_model_len = self._max_model_len()
+        self.kv_tiers = _build_tiers(config, self.runner, self.model_id)
+        self.tiering = Tiering(
+            self.block_manager,
+            self.kv_tiers.ladder.store if self.kv_tiers else None,
+            _retention(config, self.runner.num_blocks),
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -53,6 +69,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
             ),
             self.block_manager,
+            self.tiering,
         )
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self._requests: dict[str, _Request] = {}
@@ -79,11 +96,15 @@ class LLMEngine:
         prompt: str | None = None,
         salt: str = "",
         keep_blocks: bool = False,
+        retention_s: float | None = None,
+        session_id: str | None = None,
     ) -> None:
         """Queue a request. Raises ``ValueError`` (``InvalidParameter``) on bad input.
 
         ``keep_blocks``: the request is a prefill for a remote decode; when it finishes its
         KV blocks stay referenced (``RequestOutput.kept_blocks``) until ``release_blocks``.
+        ``retention_s``: keep the prompt's KV pinned in the pool this long after finishing,
+        within ``session_id``'s quota.
         """
         if request_id in self._requests:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
@@ -96,6 +117,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             arrival_time=time.monotonic(),
             keep_blocks=keep_blocks,
+            retention_s=retention_s,
+            session_id=session_id,
         )
         self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer.decode, stop=list(params.stop))
@@ -131,6 +154,47 @@ class LLMEngine:
     def release_blocks(self, block_ids: list[int]) -> None:
         self.block_manager.release(block_ids)
 
+    def prefetch(self, token_ids: list[int], salt: str = "") -> int:
+        """Start promoting this prompt's prefix from lower tiers (a hint that it is coming);
+        returns how many blocks are on their way up."""
+        n = self.tiering.prefetch(token_ids, root_hash(self.model_id, salt))
+        self._start_copies()
+        return n
+
+    def retain_prefix(
+        self, token_ids: list[int], session_id: str, ttl_s: float | None = None, salt: str = ""
+    ) -> int:
+        """Pin what the device pool still holds of ``token_ids``' KV (a finished reply's prompt
+        and output) as ``session_id``'s pin, for ``ttl_s`` (default: the configured TTL);
+        returns how many blocks it pinned. The serving layer calls this after a reply that
+        called tools: the session is coming back once the tool has run."""
+        hashes = self.block_hashes(token_ids, salt)
+        block_ids = self.block_manager.cached_blocks(hashes, token_ids)
+        ttl = self.tiering.retention.default_ttl_s if ttl_s is None else ttl_s
+        return self.tiering.pin(session_id, block_ids, ttl)
+
+    def housekeeping(self) -> None:
+        """Between steps, also when idle: apply finished tier copies and expire pins."""
+        if self.kv_tiers is not None:
+            for done in self.kv_tiers.mover.completed():
+                seq = self.tiering.complete(done)
+                if seq is not None:
+                    self.scheduler.resume(seq)
+        self.tiering.expire_pins()
+        self._start_copies()
+
+    def _start_copies(self) -> None:
+        if self.kv_tiers is not None:
+            self.kv_tiers.mover.submit(self.tiering.take_copies())
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Finish pending tier copies and disk writes (SIGTERM); True if all landed in time."""
+        if self.kv_tiers is None:
+            return True
+        self._start_copies()
+        moved = self.kv_tiers.mover.close(timeout_s)
+        return self.kv_tiers.ladder.store.close(timeout_s) and moved
+
     def abort_request(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
@@ -150,11 +214,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for every request that produced a token."""
+        self.housekeeping()
         plan = self.scheduler.schedule()
+        self._start_copies()
         if not plan:
+            if self.kv_tiers is not None and self.tiering.busy:
+                self.kv_tiers.mover.wait(LOAD_POLL_S)
             return []
         result = self.runner.execute(plan)
         updates = self.scheduler.update(plan, result)
+        self._start_copies()
         return [out for u in updates if (out := self._process(u)) is not None]
 
     def _process(self, update: SequenceUpdate) -> RequestOutput | None:
@@ -183,3 +252,29 @@ class LLMEngine:
             delta_token_ids=[update.new_token],
             kept_blocks=kept,
         )
+
+
+@dataclass(slots=True)
+class KVTiers:
+    """The engine's lower tiers: the store and the thread that copies blocks to and from it."""
+
+    ladder: Ladder
+    mover: KVMover
+
+
+def _build_tiers(config: EngineConfig, runner, model_id: str) -> KVTiers | None:
+    from splitserve.engine.kv_mover import KVMover
+
+    ladder = build_ladder(config.kv_tiers, model_id)
+    if ladder is None:
+        return None
+    return KVTiers(ladder, KVMover(runner.kv_cache, ladder.store, ladder.names))
+
+
+def _retention(config: EngineConfig, num_blocks: int) -> RetentionConfig:
+    t = config.kv_tiers
+    return RetentionConfig(
+        default_ttl_s=t.retention_ttl_s,
+        quota_blocks=int(t.retention_quota * num_blocks),
+        max_pinned_blocks=int(t.retention_max_pinned * num_blocks),
+    )

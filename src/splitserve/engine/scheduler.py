@@ -16,6 +16,7 @@ from typing import NamedTuple
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.plan import ScheduledChunk, StepPlan, StepResult
 from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.engine.tiering import Admission, Tiering
 
 
 @dataclass(slots=True)
@@ -37,9 +38,12 @@ class SequenceUpdate(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, tiering: Tiering | None = None
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.tiering = tiering  # lower KV tiers and retention pins, if configured
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -56,6 +60,10 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
+        loading = self.tiering.abort(request_id) if self.tiering is not None else None
+        if loading is not None:  # holds no blocks yet: its load lands in the cache anyway
+            loading.status, loading.finish_reason = SequenceStatus.FINISHED, "abort"
+            return loading
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.request_id == request_id:
@@ -68,15 +76,21 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        seq.finish_reason = reason
+        if self.tiering is not None:
+            self.tiering.retain(seq)
         if not (seq.keep_blocks and reason != "abort"):
             self.block_manager.free(seq)
         # else: the blocks stay referenced for a remote decode; whoever holds the lease
         # releases ``seq.block_table`` later.
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.tiering and self.tiering.busy))
+
+    def resume(self, seq: Sequence) -> None:
+        """Put a sequence whose prefix was loaded from a lower tier back at the front."""
+        self.waiting.appendleft(seq)
 
     # ---- schedule ------------------------------------------------------------------------
 
@@ -112,6 +126,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             match = bm.match_prefix(seq)
+            if self.tiering is not None:
+                admission = self.tiering.start_load(seq, match)
+                if admission is Admission.WAIT:
+                    break
+                if admission is Admission.LOADING:
+                    self.waiting.popleft()  # back via ``resume`` once its blocks are loaded
+                    continue
             n = min(seq.num_tokens - match.num_blocks * bm.block_size, budget)
             if not bm.can_allocate(match, n, seq):
                 break
@@ -156,7 +177,9 @@ class Scheduler:
             if seq is None:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.cache_full_blocks(seq)
+            published = self.block_manager.cache_full_blocks(seq)
+            if self.tiering is not None:
+                self.tiering.on_cached(published)
             if not chunk.sample:
                 updates.append(SequenceUpdate(seq, None, False))
                 continue

@@ -39,6 +39,11 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     keep_blocks: bool = False  # prefill for a remote decode: hold the KV after finishing
+    # Tier ladder: keep the KV pinned for this long after finishing (None: only on a
+    # finish in tool calls), under the quota of ``session_id`` (default: the request).
+    retention_s: float | None = None
+    session_id: str | None = None
+    tier_checked: bool = False  # lower tiers were consulted once; never load twice
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

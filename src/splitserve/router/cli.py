@@ -74,6 +74,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="remote prefill only when the uncached prompt is at least this long",
     )
     p.add_argument(
+        "--kv-prefetch-hints",
+        action="store_true",
+        help="send each session turn's prompt to its decode worker ahead of the request, so "
+        "KV in its host-RAM/disk tiers is promoted while the request is routed",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
 
@@ -96,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_retries=args.max_retries,
         disaggregate=args.disaggregate,
         remote_prefill_threshold=args.remote_prefill_threshold,
+        prefetch_hints=args.kv_prefetch_hints,
     )
 
 

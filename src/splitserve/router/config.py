@@ -52,6 +52,9 @@ class RouterConfig:
     remote_prefill_threshold: int = DEFAULT_REMOTE_PREFILL_THRESHOLD
     chars_per_token: float = 4.0
     prefix_chars: int = 512
+    # Tell a session's decode worker its next turn is coming (POST /v1/kv/prefetch) so it
+    # starts promoting the session's KV from host RAM or disk while the request is routed.
+    prefetch_hints: bool = False
 
     def __post_init__(self) -> None:
         for name in ("policy", "prefill_policy"):

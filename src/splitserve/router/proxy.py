@@ -11,6 +11,7 @@ the stream end with an SSE error event.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -101,6 +102,7 @@ class Proxy:
         self.client = client
         self.metrics = metrics
         self._home_ring = SyncedRing(config.vnodes)  # over all decode members, healthy or not
+        self._hints: set[asyncio.Future] = set()
 
     async def completion(self, request: Request, path: str) -> Response:
         """``POST /v1/chat/completions`` or ``/v1/completions``."""
@@ -111,6 +113,8 @@ class Proxy:
         decode = self._pick("decode", placement.info, excluded)
         if decode is None:
             raise no_worker("decode")
+        if self.config.prefetch_hints and placement.info.session_key is not None:
+            self._prefetch_hint(decode, body, headers)
         if self.config.disaggregate:
             await self._remote_prefill(path, body, headers, placement, decode)
         if placement.kv_params is not None:
@@ -129,6 +133,23 @@ class Proxy:
             decode,
             lambda w: self._send(w, "POST", path, payload, headers, stream, placement),
         )
+
+    def _prefetch_hint(self, worker: Worker, body: dict[str, Any], headers: dict[str, str]) -> None:
+        """Fire and forget: the worker promotes the prompt's tiered KV while this request
+        goes through its prefill leg and queue. The hint is the request body itself, which
+        the worker tokenizes as it will the request. A lost hint costs only itself."""
+
+        async def send() -> None:
+            try:
+                await self.client.post(
+                    worker.url + "/v1/kv/prefetch", json=body, headers=headers, timeout=5.0
+                )
+            except httpx.HTTPError as e:
+                log.debug("prefetch hint to %s failed: %r", worker.url, e)
+
+        task = asyncio.ensure_future(send())
+        self._hints.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._hints.discard)
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models`` from any healthy worker."""

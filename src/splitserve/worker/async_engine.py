@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from splitserve.common.sampling_params import SamplingParams
@@ -78,6 +78,7 @@ class _Add:
     prompt: str | None
     stream: RequestStream
     keep_blocks: bool = False
+    options: dict[str, Any] = field(default_factory=dict)  # more add_request keywords
 
 
 @dataclass(slots=True)
@@ -163,8 +164,10 @@ class AsyncEngine:
         params: SamplingParams,
         prompt: str | None = None,
         keep_blocks: bool = False,
+        **options: Any,
     ) -> RequestStream:
-        """Queue a request and wait until the engine accepts it.
+        """Queue a request and wait until the engine accepts it; ``options`` are passed on
+        to the engine's ``add_request`` (``retention_s``, ``session_id``).
 
         Raises ``QueueFull``, ``InvalidParameter`` (from the engine) or ``EngineError``
         before any output, so the caller can still answer with an error status.
@@ -172,7 +175,9 @@ class AsyncEngine:
         if not self.alive:
             raise EngineError("the engine is not running")
         stream = RequestStream(self, request_id)
-        self._commands.put(_Add(request_id, prompt_token_ids, params, prompt, stream, keep_blocks))
+        self._commands.put(
+            _Add(request_id, prompt_token_ids, params, prompt, stream, keep_blocks, options)
+        )
         try:
             ack = await stream.queue.get()
         except asyncio.CancelledError:
@@ -205,6 +210,8 @@ class AsyncEngine:
             while self._drain(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
                     self._step()
+                else:
+                    self._housekeeping()
                 self._publish_load()
         except BaseException as e:  # the thread must not die silently: /health reports it
             log.exception("engine thread died")
@@ -245,6 +252,7 @@ class AsyncEngine:
                 cmd.params,
                 cmd.prompt,
                 keep_blocks=cmd.keep_blocks,
+                **cmd.options,
             )
         except ValueError as e:  # InvalidParameter and friends: the client's mistake
             self._send([(cmd.stream, e)])
@@ -282,6 +290,15 @@ class AsyncEngine:
                 del self._streams[out.request_id]
             batch.append((stream, out))
         self._send(batch)
+
+    def _housekeeping(self) -> None:
+        # Idle work of engines that have some (finished KV tier copies, expired pins).
+        work = getattr(self.engine, "housekeeping", None)
+        if work is not None:
+            try:
+                work()
+            except Exception:
+                log.exception("engine housekeeping failed")
 
     def _fail_all(self, error: Exception) -> None:
         streams, self._streams = self._streams, {}

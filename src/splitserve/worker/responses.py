@@ -8,7 +8,7 @@ when usage was asked for) matters to strict clients.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -201,13 +201,15 @@ async def sse_events(
     include_usage: bool,
     prompt_token_ids: list[int] | None = None,
     tools: bool = False,
+    on_tool_calls: Callable[[RequestOutput], Awaitable[None]] | None = None,
 ) -> AsyncIterator[str]:
     """The server-sent events of one streamed completion, ending with ``data: [DONE]``.
 
     With ``prompt_token_ids`` (the ``return_token_ids`` extension) the first chunk carries
     them and every token gets a chunk with its ids, even one whose text is held back (empty):
     a reader must see every generated id to resume the stream elsewhere. With ``tools``,
-    text that may be a tool call is held back and sent at the end as ``tool_calls``.
+    text that may be a tool call is held back and sent at the end as ``tool_calls``, and
+    ``on_tool_calls`` runs once they are sent.
     """
     chunks = _Chunks(request_id, model, chat, include_usage, prompt_token_ids)
     with_ids = prompt_token_ids is not None
@@ -230,6 +232,8 @@ async def sse_events(
                         yield chunks.text(reply.content)
                     if reply.tool_calls:
                         yield chunks.tool_calls(reply.tool_calls)
+                        if on_tool_calls is not None:
+                            await on_tool_calls(out)
                     finish_reason = finish_reason_with_calls(finish_reason, reply.tool_calls)
                 yield chunks.choice(None if chat else "", finish_reason)
                 if include_usage:

@@ -8,7 +8,7 @@ import dataclasses
 import hmac
 import json
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -20,11 +20,13 @@ from pydantic import BaseModel, ValidationError
 from splitserve.common.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    KVPrefetchRequest,
     ModelCard,
     ModelList,
     make_id,
 )
 from splitserve.common.sampling_params import InvalidParameter
+from splitserve.engine.outputs import RequestOutput
 from splitserve.worker.async_engine import AsyncEngine, EngineError, EngineLike, QueueFull
 from splitserve.worker.disagg import DecodeSide, DisaggConfig, KVLoadFailed, PrefillSide
 from splitserve.worker.errors import APIError, bad_request, from_validation_error, install_handlers
@@ -44,9 +46,12 @@ from splitserve.worker.responses import (
     completion_response,
     sse_events,
 )
+from splitserve.worker.tier_metrics import TierCollector
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
+# How long a stopping worker waits for pending KV tier copies and disk writes.
+TIER_FLUSH_S = 5.0
 T = TypeVar("T")
 
 
@@ -76,6 +81,8 @@ def create_app(
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     metrics = WorkerMetrics(lambda: async_engine.load)
     kv = _KVSides.build(disagg or DisaggConfig(), engine, async_engine, metrics)
+    if getattr(engine, "tiering", None) is not None:
+        TierCollector(engine, metrics.registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -84,6 +91,9 @@ def create_app(
         yield
         kv.stop()
         async_engine.shutdown()
+        close = getattr(engine, "close", None)  # pending KV tier writes land within seconds
+        if close is not None and not close(TIER_FLUSH_S):
+            log.warning("KV tier writes still pending after %.0fs; dropped", TIER_FLUSH_S)
 
     app = FastAPI(title="splitserve worker", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.async_engine = async_engine
@@ -180,6 +190,18 @@ def _api_routes(
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model.name, max_model_len=model.max_model_len)])
 
+    @router.post("/v1/kv/prefetch")
+    async def prefetch(request: Request) -> dict[str, Any]:
+        ids = await _prefetch_ids(request, model)
+        engine = async_engine.engine
+        if getattr(engine, "prefetch", None) is None:
+            return {"object": "kv.prefetch", "blocks": 0}
+        try:
+            blocks = await async_engine.call(lambda e: e.prefetch(ids))
+        except EngineError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from e
+        return {"object": "kv.prefetch", "blocks": blocks}
+
     @router.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req = _check_model(await _parse(request, ChatCompletionRequest), model)
@@ -216,6 +238,61 @@ async def _parse(request: Request, schema: type[M]) -> M:
         raise from_validation_error(e) from e
 
 
+async def _prefetch_ids(request: Request, model: ModelInfo) -> list[int]:
+    """The prompt a prefetch hint names: token ids, or a chat or completion request body."""
+    hint = await _parse(request, KVPrefetchRequest)
+    if hint.prompt_token_ids is not None:
+        ids = hint.prompt_token_ids
+    elif hint.messages is not None:
+        ids = chat_input(await _parse(request, ChatCompletionRequest), model).prompt_token_ids
+    elif hint.prompt is not None:
+        ids = completion_input(await _parse(request, CompletionRequest), model).prompt_token_ids
+    else:
+        raise bad_request("name the prompt: prompt_token_ids, messages or prompt")
+    if not ids or any(t < 0 or t >= model.vocab_size for t in ids):
+        raise bad_request(
+            f"prompt_token_ids must be non-empty, each in [0, {model.vocab_size})",
+            param="prompt_token_ids",
+        )
+    return ids
+
+
+def _retention(req: ChatCompletionRequest | CompletionRequest, request: Request, engine: Any):
+    """``add_request`` keywords for the ``kv_retention`` extension (none when absent)."""
+    if req.kv_retention is None:
+        return {}
+    tiers = engine.config.kv_tiers
+    ttl = req.kv_retention.ttl_s
+    ttl = tiers.retention_ttl_s if ttl is None else ttl
+    if ttl > tiers.retention_max_ttl_s:
+        raise bad_request(
+            f"kv_retention.ttl_s may be at most {tiers.retention_max_ttl_s:g} seconds",
+            param="kv_retention.ttl_s",
+        )
+    return {"retention_s": ttl, "session_id": _session_of(req, request)}
+
+
+def _session_of(req: ChatCompletionRequest | CompletionRequest, request: Request) -> str | None:
+    """The session a request belongs to, for retention quotas: as the router keys it."""
+    return request.headers.get("x-session-id") or req.user
+
+
+def _tool_call_pin(
+    async_engine: AsyncEngine, session: str
+) -> Callable[[RequestOutput], Awaitable[None]]:
+    """What to do when a reply called tools: keep the session's KV pinned in the device pool
+    for the default TTL, since the session returns with the tool's result."""
+
+    async def pin(out: RequestOutput) -> None:
+        ids = out.prompt_token_ids + out.outputs[0].token_ids
+        try:
+            await async_engine.call(lambda e: e.retain_prefix(ids, session))
+        except EngineError:
+            log.warning("could not pin the KV of session %s after its tool calls", session)
+
+    return pin
+
+
 def _check_model(req: M, model: ModelInfo) -> M:
     name = req.model  # type: ignore[attr-defined]
     if name is not None and name != model.name:
@@ -235,10 +312,14 @@ async def _serve(
 ) -> Response:
     request_id = make_id("chatcmpl" if chat else "cmpl")
     tools = chat and offers_tools(req)  # type: ignore[arg-type]
+    options = _retention(req, request, async_engine.engine)
+    on_tool_calls = None
+    if tools and hasattr(async_engine.engine, "retain_prefix"):
+        on_tool_calls = _tool_call_pin(async_engine, _session_of(req, request) or request_id)
     inp, keep = await _kv_transfer(req, inp, kv)
     try:
         stream = await async_engine.add(
-            request_id, inp.prompt_token_ids, inp.params, inp.prompt, keep_blocks=keep
+            request_id, inp.prompt_token_ids, inp.params, inp.prompt, keep_blocks=keep, **options
         )
     except QueueFull as e:
         raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full") from e
@@ -251,7 +332,15 @@ async def _serve(
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         prompt_ids = inp.prompt_token_ids if req.return_token_ids else None
         events = sse_events(
-            stream, tracker, request_id, model.name, chat, include_usage, prompt_ids, tools
+            stream,
+            tracker,
+            request_id,
+            model.name,
+            chat,
+            include_usage,
+            prompt_ids,
+            tools,
+            on_tool_calls,
         )
         return SSEResponse(events, headers={"Cache-Control": "no-cache"})
     try:
@@ -265,6 +354,8 @@ async def _serve(
         params = kv.prefill.grant(request_id, out.kept_blocks, len(out.prompt_token_ids))
     if chat:
         response = chat_response(request_id, model.name, out, params, req.return_token_ids, tools)
+        if on_tool_calls and response.choices[0].finish_reason == "tool_calls":
+            await on_tool_calls(out)
     else:
         response = completion_response(request_id, model.name, out, params, req.return_token_ids)
     return JSONResponse(response.model_dump())

@@ -1,0 +1,170 @@
+"""``splitserve bench compare``: deployments side by side, on the same cores, same workload.
+
+Each deployment is a ``splitserve serve`` process (router in front of its worker pools,
+started and stopped with ``cluster.local``), given the same number of workers at the same
+threads per worker, so they share the machine's cores the same way. Runs go one deployment
+at a time through every load of the sweep; each load replays its own seed (seed + i), so no
+run finds an earlier one's conversations cached. The table puts every figure next to its
+ratio to the first deployment at the same load.
+
+Deployments are data: adding one is one entry in ``DEPLOYMENTS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import secrets
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.bench.client import Endpoint
+from splitserve.bench.load import Load, RunResult, run_load
+from splitserve.bench.metrics import SLO
+from splitserve.bench.report import markdown_table, rows, text_table
+from splitserve.cluster.local import LocalDeployment, WorkerProcess, free_port
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """One way to spend the cores: collocated workers or prefill/decode pools, and the
+    extra ``splitserve serve`` flags (router policy, KV tiers) that make it what it is."""
+
+    name: str
+    disaggregated: bool
+    serve_args: tuple[str, ...]
+    about: str
+
+    def pools(self, workers: int) -> tuple[int, int]:
+        """(prefill, decode) workers out of ``workers``: half and half when disaggregated."""
+        if not self.disaggregated:
+            return 0, workers
+        if workers < 2:
+            raise ValueError(f"{self.name} needs at least two workers (raise --cores)")
+        return workers // 2, workers - workers // 2
+
+
+DEPLOYMENTS = {
+    d.name: d
+    for d in (
+        Deployment(
+            "collocated-rr", False, ("--policy", "round-robin"), "collocated, round-robin router"
+        ),
+        Deployment(
+            "collocated-session", False, ("--policy", "session"), "collocated, session affinity"
+        ),
+        Deployment("disagg", True, ("--policy", "round-robin"), "P/D pools, round-robin decode"),
+        Deployment("disagg-session", True, ("--policy", "session"), "P/D pools, session affinity"),
+        # Once `splitserve serve` takes the KV tier flags (issue 6), the tiered deployment is:
+        # Deployment("disagg-session-tiers", True, ("--policy", "session", "--host-kv-gb",
+        #            "2"), "P/D pools, session affinity, host-RAM KV tier"),
+    )
+}
+
+
+def add_compare_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("deployments")
+    g.add_argument(
+        "--deployments",
+        default="collocated-rr,collocated-session,disagg-session",
+        help=f"comma-separated, the first is the baseline; known: {', '.join(DEPLOYMENTS)}",
+    )
+    g.add_argument("--cores", type=int, default=2, help="total model threads per deployment")
+    g.add_argument("--threads-per-worker", type=int, default=1)
+    g.add_argument("--markdown", default=None, metavar="FILE", help="write the table as markdown")
+    g.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more `splitserve serve` argument for every deployment (repeatable)",
+    )
+    g.add_argument("--ready-timeout", type=float, default=300.0)
+
+
+def parse_deployments(text: str) -> list[Deployment]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in DEPLOYMENTS]
+    if unknown or not names:
+        raise ValueError(f"unknown deployment(s) {unknown}; known: {', '.join(DEPLOYMENTS)}")
+    return [DEPLOYMENTS[n] for n in names]
+
+
+def serve_argv(dep: Deployment, workers: int, threads: int, port: int, extra=()) -> list[str]:
+    prefill, decode = dep.pools(workers)
+    argv = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port)]
+    argv += ["--prefill", str(prefill), "--decode", str(decode)]
+    argv += ["--threads-per-worker", str(threads), *dep.serve_args, *extra]
+    return argv
+
+
+class Running:
+    """A deployment's ``splitserve serve`` process, started and stopped as a context."""
+
+    def __init__(self, dep: Deployment, argv: list[str], url: str, key: str, timeout: float):
+        proc = WorkerProcess(dep.name, argv, url, {"SPLITSERVE_API_KEY": key})
+        self.group, self.timeout = LocalDeployment([proc]), timeout
+
+    def __enter__(self) -> Running:
+        if not self.group.start(self.timeout, threading.Event()):
+            self.group.stop()
+            raise RuntimeError(f"{self.group.workers[0].name} did not become healthy")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.group.stop(timeout=30.0)
+
+
+def compare(args: argparse.Namespace, workload, loads: list[Load], slo: SLO):
+    """Every deployment through every load; returns {deployment: [(load, run)]}."""
+    deps = parse_deployments(args.deployments)
+    if args.cores % args.threads_per_worker:
+        raise ValueError("--cores must be a multiple of --threads-per-worker")
+    workers = args.cores // args.threads_per_worker
+    series: dict[str, list[tuple[Load, RunResult]]] = {}
+    for dep in deps:
+        dep.pools(workers)  # fail fast on a deployment that cannot be built
+    for dep in deps:
+        series[dep.name] = _sweep_one(args, dep, workers, workload, loads, slo)
+    return series
+
+
+def _sweep_one(args, dep: Deployment, workers: int, workload, loads: list[Load], slo: SLO):
+    port, key = free_port(), secrets.token_hex(16)
+    url = f"http://127.0.0.1:{port}"
+    argv = serve_argv(dep, workers, args.threads_per_worker, port, args.serve_arg)
+    out = []
+    with Running(dep, argv, url, key, args.ready_timeout):
+        for i, load in enumerate(loads):
+            wl = dataclasses.replace(workload, seed=workload.seed + i)
+            run = asyncio.run(run_load(Endpoint(url, key), wl, load, slo, not args.no_progress))
+            run.summary.info["deployment"] = f"{dep.name}: {dep.about}; {' '.join(argv[4:])}"
+            out.append((load, run))
+            s = run.summary
+            print(
+                f"{dep.name} {load.describe()}: goodput {s.request_goodput:.3f} req/s, "
+                f"session goodput {s.session_goodput:.3f}/s, TTFT p50 {s.ttft.median:.0f} ms, "
+                f"TPOT p50 {s.tpot.median:.0f} ms, failed {s.failed}",
+                flush=True,
+            )
+    return out
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from splitserve.bench.cli import loads_from_args, workload_from_args, write_outputs
+
+    workload, loads = workload_from_args(args), loads_from_args(args)
+    slo = SLO.parse(args.slo, args.session_slo)
+    print(f"{workload.describe()}; SLO {slo.describe()}; {args.cores} cores", flush=True)
+    series = compare(args, workload, loads, slo)
+    runs = [(name, ld.describe(), r.summary) for name, rs in series.items() for ld, r in rs]
+    table = rows(runs, ratios=True)
+    print(text_table(table))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_table(table) + "\n")
+        print(f"wrote {args.markdown}", file=sys.stderr)
+    write_outputs(args, series)
+    return 0

@@ -1,0 +1,165 @@
+"""Drive a workload against an endpoint: open loop at a rate, or closed loop at a concurrency.
+
+Open loop (``rate``): every session arriving before ``duration_s`` starts at its arrival
+time, whether or not the server keeps up, so an overloaded server shows as latency, not
+as a slower client. Closed loop (``concurrency``): that many sessions are in flight; each
+slot starts the next session as soon as its last one ends, until ``duration_s``. Either
+way, sessions still running ``drain_s`` after that are cut off and their current turn
+counts as failed. The run's duration runs from the start to the last reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from tqdm import tqdm
+
+from splitserve.bench.client import Endpoint, SessionPlayer, new_client
+from splitserve.bench.metrics import SLO, RequestRecord, Summary, summarize
+from splitserve.bench.scrape import Targets, discover, scrape, server_figures
+from splitserve.bench.workloads import SessionSpec, Workload, within
+
+# Below the workloads' id ranges, so that the warm-up never seeds the cache with their blocks.
+WARMUP_PROMPT = list(range(200, 232))
+
+
+class RunResult(NamedTuple):
+    summary: Summary
+    records: list[RequestRecord]
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    rate: float | None = None  # sessions per second, open loop
+    concurrency: int | None = None  # sessions in flight, closed loop
+    duration_s: float = 60.0
+    drain_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if (self.rate is None) == (self.concurrency is None):
+            raise ValueError("give exactly one of a rate and a concurrency")
+        if self.rate is not None and not self.rate > 0:
+            raise ValueError(f"the rate must be > 0, got {self.rate}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"the concurrency must be >= 1, got {self.concurrency}")
+        if not self.duration_s > 0 or self.drain_s < 0:
+            raise ValueError("the duration must be > 0 and the drain time >= 0")
+
+    def describe(self) -> str:
+        how = (
+            f"rate {self.rate:g}/s" if self.rate is not None else f"concurrency {self.concurrency}"
+        )
+        return f"{how}, {self.duration_s:g} s"
+
+
+async def run_load(
+    endpoint: Endpoint,
+    workload: Workload,
+    load: Load,
+    slo: SLO | None = None,
+    progress: bool = True,
+    metrics_urls: Sequence[str] = (),
+) -> RunResult:
+    """Play ``workload`` at ``load`` against ``endpoint``: the records, and their summary
+    with the servers' counters (after - before) and the run's description in ``info``."""
+    async with new_client() as client:
+        targets = await discover(client, endpoint, tuple(metrics_urls))
+        await warm_up(client, endpoint, max(2, len(targets.workers)))
+        before = await scrape(client, targets, endpoint.headers)
+        records, duration = await _play(client, endpoint, workload, load, progress)
+        after = await scrape(client, targets, endpoint.headers)
+    info = {"workload": workload.describe(), "load": load.describe(), "url": endpoint.url}
+    summary = summarize(records, duration, slo or SLO(), _server(targets, before, after), info)
+    return RunResult(summary, records)
+
+
+def _server(targets: Targets, before: dict, after: dict) -> dict[str, float]:
+    return server_figures(before, after) if targets.workers else {}
+
+
+async def warm_up(client, endpoint: Endpoint, n: int) -> None:
+    """A few tiny requests, so that first-call costs stay out of the measurement; a server
+    that fails them fails the run's requests too, where they are counted."""
+    body = {"prompt": WARMUP_PROMPT, "max_tokens": 2, "ignore_eos": True}
+    if endpoint.model:
+        body["model"] = endpoint.model
+    await asyncio.gather(
+        *(
+            client.post(endpoint.url + "/v1/completions", json=body, headers=endpoint.headers)
+            for _ in range(n)
+        ),
+        return_exceptions=True,
+    )
+
+
+async def _play(client, endpoint, workload: Workload, load: Load, progress: bool):
+    t0 = time.perf_counter()
+    if load.rate is not None:
+        sessions = list(within(workload.sessions(load.rate), load.duration_s))
+        total = sum(len(s.turns) for s in sessions)
+    else:
+        sessions, total = workload.sessions(None), None
+    with tqdm(total=total, disable=not progress, unit="req", desc=workload.name) as bar:
+        player = SessionPlayer(client, endpoint, t0, lambda r: bar.update())
+        if load.rate is not None:
+            tasks = await _open_loop(player, sessions)
+        else:
+            tasks = _closed_loop(player, sessions, load)
+        await _drain(tasks, load.duration_s + load.drain_s - player.now())
+    records = player.records
+    end = max((r.end_s for r in records), default=time.perf_counter() - t0)
+    return records, end
+
+
+async def _open_loop(player: SessionPlayer, sessions: list[SessionSpec]) -> list[asyncio.Task]:
+    tasks = []
+    for s in sessions:
+        delay = s.arrival_s - player.now()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(player.play(s)))
+    return tasks
+
+
+def _closed_loop(
+    player: SessionPlayer, sessions: Iterator[SessionSpec], load: Load
+) -> list[asyncio.Task]:
+    async def slot() -> None:
+        while player.now() < load.duration_s:
+            spec = next(sessions, None)
+            if spec is None:
+                return
+            await player.play(spec.at(player.now()))
+
+    return [asyncio.create_task(slot()) for _ in range(load.concurrency or 0)]
+
+
+async def _drain(tasks: list[asyncio.Task], timeout_s: float) -> None:
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=max(0.0, timeout_s))
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sweep(
+    endpoint: Endpoint,
+    workload: Workload,
+    loads: Sequence[Load],
+    slo: SLO | None = None,
+    progress: bool = True,
+    metrics_urls: Sequence[str] = (),
+) -> list[RunResult]:
+    """One run per load, each with its own seed (seed + i): a later run must not find the
+    earlier one's conversations cached."""
+    results = []
+    for i, load in enumerate(loads):
+        wl = dataclasses.replace(workload, seed=workload.seed + i) if i else workload
+        results.append(asyncio.run(run_load(endpoint, wl, load, slo, progress, metrics_urls)))
+    return results

@@ -1,0 +1,136 @@
+"""Tables (text and markdown), JSON and plots of benchmark runs.
+
+A row is one run (one load on one deployment). In a comparison every figure is followed by
+its ratio to the first deployment's run at the same load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from splitserve.bench.load import RunResult
+from splitserve.bench.metrics import Summary
+
+# (column, figure, higher is better)
+FIGURES: list[tuple[str, Callable[[Summary], float], bool]] = [
+    ("goodput req/s", lambda s: s.request_goodput, True),
+    ("session goodput /s", lambda s: s.session_goodput, True),
+    ("SLO att. %", lambda s: 100 * s.slo_attainment, True),
+    ("req/s", lambda s: s.request_throughput, True),
+    ("TTFT p50 ms", lambda s: s.ttft.median, False),
+    ("TTFT p99 ms", lambda s: s.ttft.percentiles[99], False),
+    ("TPOT p50 ms", lambda s: s.tpot.median, False),
+    ("JCT mean s", lambda s: s.jct.mean / 1000, False),
+    ("cache hit %", lambda s: 100 * s.server.get("prefix_cache_hit_rate", math.nan), True),
+    ("KV MB moved", lambda s: s.server.get("kv_bytes_transferred", math.nan) / 1e6, True),
+]
+RATIO_FIGURES = {"goodput req/s", "session goodput /s", "req/s", "TTFT p50 ms", "TTFT p99 ms"}
+
+
+def _fmt(v: float) -> str:
+    if math.isnan(v):
+        return "-"
+    return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+
+
+def _ratio(v: float, base: float) -> str:
+    if math.isnan(v) or math.isnan(base) or base == 0:
+        return "" if v == base else " (-)"
+    return f" ({v / base:.2f}x)"
+
+
+def rows(runs: Sequence[tuple[str, str, Summary]], ratios: bool = False) -> list[list[str]]:
+    """``runs``: (deployment, load, summary). With ``ratios``, each ratio figure also shows
+    its ratio to the first deployment's summary at the same load."""
+    first: dict[str, Summary] = {}
+    for _, load, s in runs:
+        first.setdefault(load, s)
+    out = []
+    for dep, load, s in runs:
+        row = [dep, load]
+        for name, fig, _ in FIGURES:
+            cell = _fmt(fig(s))
+            if ratios and name in RATIO_FIGURES:
+                cell += _ratio(fig(s), fig(first[load]))
+            row.append(cell)
+        row.append(str(s.failed))
+        out.append(row)
+    return out
+
+
+HEADERS = ["deployment", "load", *(name for name, _, _ in FIGURES), "failed"]
+
+
+def text_table(table: list[list[str]], headers: Sequence[str] = HEADERS) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in table]
+    return "\n".join(lines)
+
+
+def markdown_table(table: list[list[str]], headers: Sequence[str] = HEADERS) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(r) + " |" for r in table]
+    return "\n".join(lines)
+
+
+def _finite(obj: Any) -> Any:
+    """JSON has no NaN: undefined figures become null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def run_dict(run: RunResult, **labels: Any) -> dict[str, Any]:
+    return {
+        **labels,
+        "summary": run.summary.to_dict(),
+        "requests": [r.to_dict() for r in run.records],
+    }
+
+
+def write_json(path: str | Path, payload: Any) -> None:
+    Path(path).write_text(json.dumps(_finite(payload), indent=1) + "\n")
+
+
+def plot(path: str | Path, series: dict[str, list[tuple[float, RunResult]]]) -> list[Path]:
+    """Two PNGs: goodput and session goodput vs offered rate (``path``), and the TTFT CDF of
+    each series' highest-rate run (``<path stem>_ttft_cdf.png``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, runs in series.items():
+        rates = [rate for rate, _ in runs]
+        ax.plot(rates, [r.summary.request_goodput for _, r in runs], "o-", label=f"{name} goodput")
+        sessions = [r.summary.session_goodput for _, r in runs]
+        ax.plot(rates, sessions, "s--", label=f"{name} session goodput")
+    ax.set(xlabel="offered rate (sessions/s)", ylabel="per second", title="Goodput vs rate")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    cdf_path = path.with_name(f"{path.stem}_ttft_cdf.png")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, runs in series.items():
+        rate, run = runs[-1]
+        ttfts = sorted(1000 * r.ttft_s for r in run.records if r.ok and r.ttft_s is not None)
+        ys = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
+        ax.step(ttfts, ys, where="post", label=f"{name} @ {rate:g}/s")
+    ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF", xscale="log")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(cdf_path)
+    plt.close(fig)
+    return [path, cdf_path]

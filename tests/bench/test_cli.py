@@ -1,0 +1,82 @@
+"""``splitserve bench`` options: parsed into workloads and loads; bad input is a clear
+message and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.bench.cli import loads_from_args, workload_from_args
+from splitserve.bench.compare import DEPLOYMENTS, parse_deployments, serve_argv
+from splitserve.bench.workloads import AgenticConfig, LogNormal, MultiRoundQAConfig
+from splitserve.cli import build_parser, main
+
+
+def _args(*argv):
+    return build_parser().parse_args(["bench", *argv])
+
+
+def test_workload_options_reach_the_config_and_keep_other_defaults():
+    wl = workload_from_args(
+        _args("--rate", "1", "--tool-calls", "1,3", "--tool-pause", "0.5,0.2", "--seed", "4")
+    )
+    assert wl == AgenticConfig(
+        min_tool_calls=1, max_tool_calls=3, tool_pause_s=LogNormal(0.5, 0.2), seed=4
+    )
+    qa = workload_from_args(_args("--workload", "multi-round-qa", "--rate", "1", "--rounds", "2"))
+    assert qa == MultiRoundQAConfig(rounds=2)
+
+
+def test_loads():
+    sweep = loads_from_args(_args("--sweep", "0.5,1,2", "--duration", "10"))
+    assert [ld.rate for ld in sweep] == [0.5, 1.0, 2.0] and sweep[0].duration_s == 10
+    (closed,) = loads_from_args(_args("--concurrency", "3"))
+    assert closed.concurrency == 3 and closed.rate is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--rate", "1"], "give --url"),
+        (["--url", "http://x"], "give the load"),
+        (["--url", "http://x", "--rate", "0"], "rate must be > 0"),
+        (["--url", "http://x", "--sweep", "1,fast"], "--sweep"),
+        (["--url", "http://x", "--rate", "1", "--slo", "ttft:soon"], "SLO"),
+        (["--url", "http://x", "--rate", "1", "--tool-calls", "3"], "--tool-calls"),
+        (["--url", "http://x", "--rate", "1", "--tool-calls", "3,1"], "min_tool_calls"),
+        (["--url", "http://x", "--rate", "1", "--workload", "azure"], "needs --trace"),
+        (
+            ["--url", "http://x", "--rate", "1", "--workload", "mooncake", "--trace", "/nope"],
+            "not found",
+        ),
+        (["compare", "--rate", "1", "--deployments", "collocated-rr,warp"], "unknown deployment"),
+        (["compare", "--rate", "1", "--deployments", "disagg", "--cores", "1"], "two workers"),
+    ],
+)
+def test_bad_input_is_a_clear_error(argv, message, capsys):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("splitserve bench: error:") and message in err
+
+
+def test_deployments_share_the_cores_the_same_way():
+    assert [d.name for d in parse_deployments("disagg, collocated-rr")] == [
+        "disagg",
+        "collocated-rr",
+    ]
+    for dep in DEPLOYMENTS.values():
+        prefill, decode = dep.pools(4)
+        assert prefill + decode == 4 and (prefill > 0) == dep.disaggregated
+    argv = serve_argv(DEPLOYMENTS["collocated-rr"], 2, 1, 8123)
+    assert argv[3:] == [
+        "serve",
+        "--port",
+        "8123",
+        "--prefill",
+        "0",
+        "--decode",
+        "2",
+        "--threads-per-worker",
+        "1",
+        "--policy",
+        "round-robin",
+    ]

@@ -1,0 +1,34 @@
+"""``splitserve bench compare`` starts a real deployment, runs the workload, reads the
+router's and workers' counters, writes the tables and stops every process it started."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+
+from splitserve.cli import main
+
+TINY_AGENTIC = [
+    *("--workload", "agentic", "--agent-types", "1", "--system-tokens", "96"),
+    *("--task-tokens", "8", "--tool-calls", "1,1", "--tool-call-tokens", "4"),
+    *("--answer-tokens", "4", "--tool-result-tokens", "8", "--tool-pause", "0.05"),
+    *("--rate", "2", "--duration", "1", "--slo", "ttft:60000", "--no-progress"),
+]
+
+
+def test_compare_runs_a_disaggregated_deployment(tmp_path, capsys):
+    md, out = tmp_path / "table.md", tmp_path / "runs.json"
+    argv = ["bench", "compare", "--deployments", "disagg", "--cores", "2", *TINY_AGENTIC]
+    assert main([*argv, "--markdown", str(md), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    (run,) = json.loads(out.read_text())
+    s = run["summary"]
+    assert run["deployment"] == "disagg" and s["completed"] >= 2 and s["failed"] == 0
+    # Turn 0 (a 96-word system prompt) goes through the prefill worker; its KV is pulled.
+    assert s["server"]["remote_prefills"] >= 1 and s["server"]["kv_bytes_transferred"] > 0
+    assert s["server"]["prompt_tokens"] >= s["total_input_tokens"]
+    assert "--prefill 1 --decode 1" in s["info"]["deployment"]
+    assert "goodput req/s" in printed and "(1.00x)" in printed
+    assert md.read_text().startswith("| deployment | load | goodput req/s")
+    assert psutil.Process().children(recursive=True) == []
