@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from splitserve.bench.metrics import SLO
+from splitserve.bench.metrics import SLO, summarize
 from splitserve.bench.workloads import AgenticConfig, LogNormal, RandomConfig
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware
@@ -62,15 +62,14 @@ def itl_goodput(result, slo: SLO) -> float:
     return good / s.duration_s
 
 
-def mori(cfg: SimConfig, num: int) -> None:
+def mori(cfg: SimConfig) -> None:
     workload = RandomConfig(input_len=2000, output_len=1000)
-    num = max(num, int(8 * STEADY_S))
-    runs = {d: simulate(cfg, d, workload, 8.0, num) for d in (DISAGG, COLLOCATED)}
+    runs = {d: simulate(cfg, d, workload, 8.0, STEADY_S) for d in (DISAGG, COLLOCATED)}
     print("## The MORI-IO setup at 8 req/s (claimed: 2.5x)\n")
     print("| SLO | disagg goodput | collocated goodput | ratio |")
     print("|---|---|---|---|")
     for slo in SLOS:
-        good = [simulate(cfg, d, workload, 8.0, num, slo).summary.request_goodput for d in runs]
+        good = [_resummarize(runs[d], slo).request_goodput for d in runs]
         print(f"| {slo.describe()} | {good[0]:.2f} | {good[1]:.2f} | {good[0] / good[1]:.2f} |")
     slo = SLOS[0]
     good = [itl_goodput(runs[d], slo) for d in runs]
@@ -91,8 +90,7 @@ def mori(cfg: SimConfig, num: int) -> None:
         for d in (DISAGG, COLLOCATED):
 
             def probe(rate, d=d, slo=slo):
-                n = max(num, int(rate * STEADY_S))  # long enough to reach a steady state
-                s = simulate(cfg, d, workload, rate, n, slo).summary
+                s = simulate(cfg, d, workload, rate, STEADY_S, slo).summary
                 return s.slo_attainment, s.request_goodput
 
             rates.append(max_rate(probe, 1.0, 64.0, 0.9, 7)[0])
@@ -102,7 +100,7 @@ def mori(cfg: SimConfig, num: int) -> None:
         )
 
 
-def sweep(cfg: SimConfig, img: str, num: int) -> None:
+def sweep(cfg: SimConfig, img: str) -> None:
     slo = SLOS[0]
     prompts, outputs, rates = (500, 2000, 8000), (100, 500, 1000), (4, 8, 16)
     print(f"\n## Goodput ratio disagg / collocated, SLO {slo.describe()}\n")
@@ -112,8 +110,8 @@ def sweep(cfg: SimConfig, img: str, num: int) -> None:
             row = []
             for o in outputs:
                 w = RandomConfig(input_len=p, output_len=o)
-                n = max(num, int(rate * STEADY_S))
-                g = [simulate(cfg, d, w, rate, n, slo).summary.request_goodput for d in _pair()]
+                runs = [simulate(cfg, d, w, rate, STEADY_S, slo) for d in _pair()]
+                g = [r.summary.request_goodput for r in runs]
                 row.append(g[0] / g[1] if g[1] > 0 else float("nan"))
             grid.append(row)
         print(f"rate {rate} req/s (rows: prompt {prompts}, columns: output {outputs}):")
@@ -130,7 +128,7 @@ def sweep(cfg: SimConfig, img: str, num: int) -> None:
         )
 
 
-def agentic(cfg: SimConfig, img: str, num: int) -> None:
+def agentic(cfg: SimConfig, img: str) -> None:
     slo = SLOS[0]
     calls, pauses = (1, 4, 8), (0.1, 1.0, 5.0)
     grid = []
@@ -138,9 +136,8 @@ def agentic(cfg: SimConfig, img: str, num: int) -> None:
         row = []
         for pause in pauses:
             w = AgenticConfig(min_tool_calls=c, max_tool_calls=c, tool_pause_s=LogNormal(pause))
-            g = [
-                simulate(cfg, d, w, AGENTIC_RATE, num, slo).summary.request_goodput for d in _pair()
-            ]
+            runs = [simulate(cfg, d, w, AGENTIC_RATE, STEADY_S / 2, slo) for d in _pair()]
+            g = [r.summary.request_goodput for r in runs]
             row.append(g[0] / g[1] if g[1] > 0 else float("nan"))
         grid.append(row)
     print(f"\n## Agentic sessions at {AGENTIC_RATE:g} sessions/s, SLO {slo.describe()}")
@@ -158,6 +155,11 @@ def agentic(cfg: SimConfig, img: str, num: int) -> None:
     )
 
 
+def _resummarize(result, slo: SLO):
+    s = result.summary
+    return summarize(result.records, s.duration_s, slo, s.server, s.info)
+
+
 def _pair() -> tuple[Deployment, Deployment]:
     return DISAGG, COLLOCATED
 
@@ -165,16 +167,15 @@ def _pair() -> tuple[Deployment, Deployment]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--img", default="docs/img")
-    ap.add_argument("--num", type=int, default=400, help="requests (sessions) per run")
     ap.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS)
     args = ap.parse_args()
     cfg = mori_config(args.max_num_seqs)
     print(f"max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens 8192, block 16, KV bf16")
     os.makedirs(args.img, exist_ok=True)
     t = time.perf_counter()
-    mori(cfg, args.num)
-    sweep(cfg, args.img, args.num)
-    agentic(cfg, args.img, int(AGENTIC_RATE * STEADY_S / 2))
+    mori(cfg)
+    sweep(cfg, args.img)
+    agentic(cfg, args.img)
     print(f"\n(simulated in {time.perf_counter() - t:.0f} s wall)")
 
 

@@ -85,7 +85,8 @@ def main() -> None:
         max_num_seqs=64,
         max_num_batched_tokens=1024,
     )
-    sim = simulate(cfg, Deployment(collocated=1), workload, args.rate, args.num, slo).summary
+    duration = sessions[-1].arrival_s + 1e-9  # the same sessions: those arriving before it
+    sim = simulate(cfg, Deployment(collocated=1), workload, args.rate, duration, slo).summary
     rows = (
         ("goodput (req/s)", real.request_goodput, sim.request_goodput),
         ("p50 TTFT (ms)", real.ttft.median, sim.ttft.median),
