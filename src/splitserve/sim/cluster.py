@@ -6,6 +6,7 @@ A request flows as it does through ``splitserve.router``::
                  │ no                        │ yes: prefill policy picks P
                  ▼                           ▼
          D prefills and decodes      P prefills (max_tokens=1, blocks kept under a lease)
+                                             │ the router's second leg (remote_leg_s), then
                                              │ D pulls the blocks it lacks over its link
                                              ▼ (bytes / bandwidth + latency, FIFO per D)
                                      D registers them, admits the request (its prefix cache
@@ -282,7 +283,10 @@ class Cluster:
         self.prefill_policy.on_request_complete(p.router, req.info)
         d = req.decode
         d.router.in_flight += 1
-        self._on_engine(d, lambda: self._pull(req, p, d, seq))
+        leg = self.config.hardware.remote_leg_s
+        self.events.at(
+            self.now + leg, lambda _: self._on_engine(d, lambda: self._pull(req, p, d, seq))
+        )
 
     def _pull(self, req: _Request, p: SimWorker, d: SimWorker, kept: Sequence) -> None:
         """On D's engine thread: plan the pull, reserve blocks, start the transfer."""
