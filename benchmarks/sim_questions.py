@@ -34,7 +34,7 @@ SLOS = (
     SLO(ttft_ms=500, tpot_ms=21),
 )
 ITL_P99_MS = 25.0  # a per-request objective on the 99th percentile inter-token gap
-STEADY_S = 120.0  # seconds of arrivals per run: several request lifetimes
+RUN = {"steady_s": 120.0}  # seconds of arrivals per run: several request lifetimes
 AGENTIC_RATE = 16.0  # sessions/s: enough to load the node
 
 
@@ -62,9 +62,9 @@ def itl_goodput(result, slo: SLO) -> float:
     return good / s.duration_s
 
 
-def mori(cfg: SimConfig) -> None:
+def mori(cfg: SimConfig, max_rates: bool) -> None:
     workload = RandomConfig(input_len=2000, output_len=1000)
-    runs = {d: simulate(cfg, d, workload, 8.0, STEADY_S) for d in (DISAGG, COLLOCATED)}
+    runs = {d: simulate(cfg, d, workload, 8.0, RUN["steady_s"]) for d in (DISAGG, COLLOCATED)}
     print("## The MORI-IO setup at 8 req/s (claimed: 2.5x)\n")
     print("| SLO | disagg goodput | collocated goodput | ratio |")
     print("|---|---|---|---|")
@@ -84,13 +84,15 @@ def mori(cfg: SimConfig) -> None:
             f"ms; TPOT p50 {s.tpot.median:.1f} ms; ITL p50 {s.itl.median:.1f} ms p99 "
             f"{s.itl.percentiles[99]:.1f} ms; busy {s.server['mean worker busy (%)']:.0f}%"
         )
+    if not max_rates:
+        return
     print("\nHighest rate (req/s) with >= 90% SLO attainment:\n")
     for slo in SLOS:
         rates = []
         for d in (DISAGG, COLLOCATED):
 
             def probe(rate, d=d, slo=slo):
-                s = simulate(cfg, d, workload, rate, STEADY_S, slo).summary
+                s = simulate(cfg, d, workload, rate, RUN["steady_s"], slo).summary
                 return s.slo_attainment, s.request_goodput
 
             rates.append(max_rate(probe, 1.0, 64.0, 0.9, 7)[0])
@@ -110,7 +112,7 @@ def sweep(cfg: SimConfig, img: str) -> None:
             row = []
             for o in outputs:
                 w = RandomConfig(input_len=p, output_len=o)
-                runs = [simulate(cfg, d, w, rate, STEADY_S, slo) for d in _pair()]
+                runs = [simulate(cfg, d, w, rate, RUN["steady_s"], slo) for d in _pair()]
                 g = [r.summary.request_goodput for r in runs]
                 row.append(g[0] / g[1] if g[1] > 0 else float("nan"))
             grid.append(row)
@@ -136,7 +138,7 @@ def agentic(cfg: SimConfig, img: str) -> None:
         row = []
         for pause in pauses:
             w = AgenticConfig(min_tool_calls=c, max_tool_calls=c, tool_pause_s=LogNormal(pause))
-            runs = [simulate(cfg, d, w, AGENTIC_RATE, STEADY_S / 2, slo) for d in _pair()]
+            runs = [simulate(cfg, d, w, AGENTIC_RATE, RUN["steady_s"] / 2, slo) for d in _pair()]
             g = [r.summary.request_goodput for r in runs]
             row.append(g[0] / g[1] if g[1] > 0 else float("nan"))
         grid.append(row)
@@ -168,14 +170,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--img", default="docs/img")
     ap.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS)
+    ap.add_argument("--steady", type=float, default=RUN["steady_s"], help="seconds of arrivals")
+    ap.add_argument("--parts", default="mori,max-rate,sweep,agentic")
     args = ap.parse_args()
+    RUN["steady_s"] = args.steady
+    parts = set(args.parts.split(","))
     cfg = mori_config(args.max_num_seqs)
     print(f"max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens 8192, block 16, KV bf16")
     os.makedirs(args.img, exist_ok=True)
     t = time.perf_counter()
-    mori(cfg)
-    sweep(cfg, args.img)
-    agentic(cfg, args.img)
+    if "mori" in parts:
+        mori(cfg, "max-rate" in parts)
+    if "sweep" in parts:
+        sweep(cfg, args.img)
+    if "agentic" in parts:
+        agentic(cfg, args.img)
     print(f"\n(simulated in {time.perf_counter() - t:.0f} s wall)")
 
 

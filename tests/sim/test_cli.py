@@ -46,3 +46,11 @@ def test_bad_input_is_a_clear_message_not_a_traceback(capsys):
     assert "open loops" in capsys.readouterr().err
     assert main(["sim", "--rate", "1", "--kv-cache-gb", "0"]) == 2
     assert "kv_cache_gb must be > 0" in capsys.readouterr().err
+
+
+def test_calibrate_out_is_not_read_as_a_bench_option():
+    # Regression: with abbreviations on, `--out` was ambiguous with `--output-len`.
+    from splitserve.cli import build_parser
+
+    args = build_parser().parse_args(["sim", "calibrate", "--out", "cal.json", "--repeats", "2"])
+    assert (args.out, args.repeats, args.sim_command) == ("cal.json", 2, "calibrate")

@@ -14,8 +14,11 @@ from splitserve.sim.models import DTYPE_BYTES, MODELS, get_model
 
 
 def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    # No abbreviations: `sim calibrate --out` must not be read as bench's `--output-len`.
     p = subparsers.add_parser(
-        "sim", help="simulate a deployment at datacenter scale (plan, calibrate: see sim -h)"
+        "sim",
+        help="simulate a deployment at datacenter scale (plan, calibrate: see sim -h)",
+        allow_abbrev=False,
     )
     _add_run_args(p)
     p.set_defaults(func=cmd_sim)
