@@ -121,12 +121,12 @@ HARDWARE: dict[str, HardwareProfile] = {
             link_bw=1.0 * GB,
             net_bw=1.0 * GB,
             gpus_per_node=64,
-            # `splitserve sim calibrate --repeats 5` on 2026-11-30 (load average ~5.6 on the
-            # 2 cores: other jobs running; rms error of the fit 44%, see docs/simulator.md).
-            compute_eff=0.24,
-            memory_eff=1.0,
-            step_overhead_s=44.5e-3,
-            seq_overhead_s=3.7e-3,
+            # `splitserve sim calibrate --repeats 7` on 2026-11-30, load average ~3 on the 2
+            # cores (other jobs running); rms error of the fit 27% (docs/simulator.md).
+            compute_eff=0.73,
+            memory_eff=0.61,
+            step_overhead_s=0.0,
+            seq_overhead_s=14.3e-3,
             link_latency_s=2e-3,
             net_latency_s=2e-3,
             allreduce_latency_s=0.0,
