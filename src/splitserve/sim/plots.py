@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 
 
@@ -38,7 +39,7 @@ def ratio_map(
     ax.set_yticks(range(len(y_labels)), y_labels)
     ax.set_xlabel(x_name)
     ax.set_ylabel(y_name)
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 56)), fontsize=9)
     fig.colorbar(im, ax=ax, label="goodput ratio disagg / collocated")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
