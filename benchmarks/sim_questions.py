@@ -35,7 +35,7 @@ SLOS = (
 )
 ITL_P99_MS = 25.0  # a per-request objective on the 99th percentile inter-token gap
 RUN = {"steady_s": 120.0}  # seconds of arrivals per run: several request lifetimes
-AGENTIC_RATE = 16.0  # sessions/s: enough to load the node
+AGENTIC_RATE = 48.0  # sessions/s: enough to load the node
 
 
 MAX_NUM_SEQS = 1024  # vLLM's default for its API server on GPUs with >= 70 GiB

@@ -30,6 +30,13 @@ def test_sim_plan_prints_a_table_with_the_best_first(capsys):
     assert "best: " in text
 
 
+def test_sim_plan_says_when_the_rate_range_is_too_low(capsys):
+    args = ["sim", "plan", "--gpus", "1", "--workload", "random", "--input-len", "64"]
+    args += ["--output-len", "4", "--duration", "2", "--iters", "2", "--rate-range", "0.5", "1"]
+    assert main(args) == 0
+    assert "at the top of --rate-range (1); raise it" in capsys.readouterr().out
+
+
 def test_bad_input_is_a_clear_message_not_a_traceback(capsys):
     assert main(["sim", "--workload", "azure", "--rate", "1"]) == 2
     assert "needs --trace" in capsys.readouterr().err

@@ -136,6 +136,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.iters,
     )
     print(format_plan(rows, slo, args.attainment))
+    lo, hi = args.rate_range
+    if any(r.max_rate >= hi - (hi - lo) / 2**args.iters for r in rows):
+        print(f"note: some deployments meet the SLO at the top of --rate-range ({hi:g}); raise it")
     best = rows[0]
     print(f"best: {best.deployment.describe()}, {best.goodput_per_gpu:.3f} req/s per GPU")
     return 0
