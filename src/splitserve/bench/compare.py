@@ -58,9 +58,12 @@ DEPLOYMENTS = {
         ),
         Deployment("disagg", True, ("--policy", "round-robin"), "P/D pools, round-robin decode"),
         Deployment("disagg-session", True, ("--policy", "session"), "P/D pools, session affinity"),
-        # Once `splitserve serve` takes the KV tier flags (issue 6), the tiered deployment is:
-        # Deployment("disagg-session-tiers", True, ("--policy", "session", "--host-kv-gb",
-        #            "2"), "P/D pools, session affinity, host-RAM KV tier"),
+        Deployment(
+            "disagg-session-tiers",
+            True,
+            ("--policy", "session", "--host-kv-gb", "2"),
+            "P/D pools, session affinity, 2 GB host-RAM KV tier per worker",
+        ),
     )
 }
 

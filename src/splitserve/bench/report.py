@@ -113,10 +113,11 @@ def plot(path: str | Path, series: dict[str, list[tuple[float, RunResult]]]) -> 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, runs in series.items():
         rates = [rate for rate, _ in runs]
-        ax.plot(rates, [r.summary.request_goodput for _, r in runs], "o-", label=f"{name} goodput")
+        goodput = [r.summary.request_goodput for _, r in runs]
+        (line,) = ax.plot(rates, goodput, "o-", label=f"{name} goodput")
         sessions = [r.summary.session_goodput for _, r in runs]
-        ax.plot(rates, sessions, "s--", label=f"{name} session goodput")
-    ax.set(xlabel="offered rate (sessions/s)", ylabel="per second", title="Goodput vs rate")
+        ax.plot(rates, sessions, "s--", color=line.get_color(), label=f"{name} sessions")
+    ax.set(xlabel="offered load (sessions/s)", ylabel="per second", title="Goodput vs load")
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path)

@@ -38,10 +38,12 @@ from splitserve.bench.workloads import (
     Segment,
     SessionSpec,
     TurnSpec,
+    poisson_arrivals,
     token_ids,
 )
 
 TRACE_BLOCK_TOKENS = 512
+TIMINGS = ("trace", "poisson")
 _ID_RANGE = TOKEN_ID_HI - TOKEN_ID_LO
 _BLOCKS, _UNSHARED, _OUTPUTS = 3, 4, 5  # random streams of one seed
 
@@ -190,13 +192,24 @@ def synthesize_prompt(req: TraceRequest, scale: TraceScale, seed: int) -> list[i
 @dataclass(frozen=True, slots=True)
 class TraceReplay:
     """A trace as a workload: single-turn sessions at the trace's arrival times, compressed
-    to ``rate`` requests per second when one is given (None: the trace's own timeline)."""
+    to ``rate`` requests per second when one is given (None: the trace's own timeline).
+
+    ``timing="poisson"`` keeps the requests and their order but draws Poisson arrivals at
+    ``rate``: compressing the Mooncake traces' timeline also compresses their bursts (their
+    timestamps come in 3 s steps, up to 16 requests on one), which a small machine cannot
+    absorb at any rate it can otherwise sustain.
+    """
 
     requests: tuple[TraceRequest, ...]
     source: str
     scale: TraceScale = TraceScale()
     seed: int = 0
     name: str = field(default="mooncake")
+    timing: str = "trace"
+
+    def __post_init__(self) -> None:
+        if self.timing not in TIMINGS:
+            raise ValueError(f"timing must be one of {', '.join(TIMINGS)}, got {self.timing!r}")
 
     @property
     def native_rate(self) -> float:
@@ -204,8 +217,7 @@ class TraceReplay:
         return (len(self.requests) - 1) / span if span > 0 else float("inf")
 
     def sessions(self, rate: float | None) -> Iterator[SessionSpec]:
-        speedup = 1.0 if rate is None else rate / self.native_rate
-        t0 = self.requests[0].timestamp_s
+        poisson = poisson_arrivals(rate, self.seed)
         for i, req in enumerate(self.requests):
             if not self._fits(req):
                 continue
@@ -213,8 +225,12 @@ class TraceReplay:
             rng = np.random.default_rng([self.seed, _OUTPUTS, i])
             prompt = Segment("prompt", tuple(self._prompt(i, req)))
             turn = TurnSpec(0.0, (prompt,), out, token_ids(rng, out))
-            arrival = (req.timestamp_s - t0) / speedup
+            arrival = next(poisson) if self.timing == "poisson" else self._arrival(req, rate)
             yield SessionSpec(f"r{i}", arrival, 0, (turn,), API_COMPLETIONS, sticky=False)
+
+    def _arrival(self, req: TraceRequest, rate: float | None) -> float:
+        speedup = 1.0 if rate is None else rate / self.native_rate
+        return (req.timestamp_s - self.requests[0].timestamp_s) / speedup
 
     def _input_len(self, req: TraceRequest) -> int:
         if req.hash_ids:
@@ -235,14 +251,15 @@ class TraceReplay:
         return sum(not self._fits(r) for r in self.requests)
 
     def describe(self) -> str:
+        timing = "Poisson arrivals" if self.timing == "poisson" else "trace arrivals"
         return (
             f"{self.name} trace {self.source}: {len(self.requests)} requests at "
-            f"{self.native_rate:.2f} req/s native; {self.scale.describe()}"
+            f"{self.native_rate:.2f} req/s native, {timing}; {self.scale.describe()}"
         )
 
 
 def load_trace(
-    kind: str, name: str, scale: TraceScale = TraceScale(), seed: int = 0
+    kind: str, name: str, scale: TraceScale = TraceScale(), seed: int = 0, timing: str = "trace"
 ) -> TraceReplay:
     """``kind`` ``mooncake`` (JSONL) or ``azure`` (CSV), read from ``resolve_trace(name)``,
     sorted by arrival."""
@@ -252,4 +269,4 @@ def load_trace(
         requests = sorted(parse(f), key=lambda r: r.timestamp_s)
     if not requests:
         raise ValueError(f"trace {path} holds no requests")
-    return TraceReplay(tuple(requests), path.name, scale, seed, kind)
+    return TraceReplay(tuple(requests), path.name, scale, seed, kind, timing)
