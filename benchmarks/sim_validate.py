@@ -1,18 +1,27 @@
-"""The calibrated simulator against the real engine on this machine, same workload.
+"""The calibrated simulator against real runs on this machine, same workload.
 
-The real side drives ``LLMEngine`` (bundled model, one thread) with Poisson arrivals on the
-wall clock: requests are added when their arrival time has passed, the engine steps while
-it has work. The simulated side runs the same sessions on ``cpu-local`` (fitted by
-``splitserve sim calibrate``) with the engine's own settings. Both are summarized by
-``bench.metrics``; the script prints goodput and p50 TTFT side by side and their ratio
-(goal: within 15%).
+Two real sides:
+
+- ``--bench-json FILE``: the output of ``splitserve bench compare --json FILE`` (real
+  deployments behind the router); each of its runs is simulated with the same deployment
+  (``collocated-rr`` -> 2 collocated workers, round-robin; ``disagg-session`` -> 1P:1D,
+  session policy; ...), workload and rate.
+- otherwise: ``LLMEngine`` (bundled model, one thread) driven in this process with Poisson
+  arrivals on the wall clock.
+
+The simulated side runs on ``cpu-local`` (fitted by ``splitserve sim calibrate``) with the
+engine's own settings. Both are summarized by ``bench.metrics``; the script prints goodput
+and p50 TTFT side by side with their ratio (goal: within 15%).
 
     .venv/bin/python benchmarks/sim_validate.py --calibration cal.json --rate 0.5 --num 24
+    .venv/bin/python benchmarks/sim_validate.py --calibration cal.json --bench-json cmp.json \
+        --input-len 128 --output-len 16
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import deque
 
@@ -61,31 +70,29 @@ def real_run(sessions: list[SessionSpec]) -> tuple[list[RequestRecord], float]:
     return rs, max(r.end_s for r in rs) - min(r.start_s for r in rs)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--calibration", required=True)
-    ap.add_argument("--rate", type=float, default=0.5)
-    ap.add_argument("--num", type=int, default=24)
-    ap.add_argument("--input-len", type=int, default=96)
-    ap.add_argument("--output-len", type=int, default=24)
-    ap.add_argument("--slo", default="ttft:3000,tpot:400")
-    args = ap.parse_args()
-    slo = SLO.parse(args.slo)
-    workload = RandomConfig(args.input_len, args.output_len, seed=0)
-    sessions = [s for s, _ in zip(workload.sessions(args.rate), range(args.num), strict=False)]
-    print(f"{workload.describe()}, {args.rate} req/s, {args.num} requests, SLO {slo.describe()}")
-    records, duration = real_run(sessions)
-    real = summarize(records, duration, slo)
-    hw = load_calibration(get_hardware("cpu-local"), args.calibration)
-    cfg = SimConfig(
+# `splitserve bench compare` deployments as (deployment, routing policy) for 2 cores.
+BENCH_DEPLOYMENTS = {
+    "collocated-rr": (Deployment(collocated=2), "round-robin"),
+    "collocated-session": (Deployment(collocated=2), "session"),
+    "disagg": (Deployment(prefill=1, decode=1), "round-robin"),
+    "disagg-session": (Deployment(prefill=1, decode=1), "session"),
+}
+
+
+def cpu_local(calibration: str, policy: str = "session") -> SimConfig:
+    """The engine's defaults (1 GiB KV, 64 sequences, 1024-token budget) on cpu-local."""
+    return SimConfig(
         get_model("smollm2-135m"),
-        hw,
+        load_calibration(get_hardware("cpu-local"), calibration),
         dtype="fp32",
         kv_cache_gb=1.0,
         max_num_seqs=64,
         max_num_batched_tokens=1024,
+        policy=policy,
     )
-    sim = simulate(cfg, Deployment(collocated=1), workload, args.rate, args.num, slo).summary
+
+
+def print_rows(real, sim) -> None:
     rows = (
         ("goodput (req/s)", real.request_goodput, sim.request_goodput),
         ("p50 TTFT (ms)", real.ttft.median, sim.ttft.median),
@@ -95,6 +102,46 @@ def main() -> None:
     print(f"{'':<18}{'real':>10}{'simulated':>12}{'sim/real':>10}")
     for name, a, b in rows:
         print(f"{name:<18}{a:>10.2f}{b:>12.2f}{b / a:>10.2f}")
+
+
+def against_bench(args, workload, slo: SLO) -> None:
+    with open(args.bench_json) as f:
+        runs = json.load(f)
+    for run in runs:
+        dep, policy = BENCH_DEPLOYMENTS[run["deployment"]]
+        records = [RequestRecord(**r) for r in run["requests"]]
+        real = summarize(records, run["summary"]["duration_s"], slo)
+        duration = max(r.start_s for r in records if r.turn == 0) + 1e-9
+        cfg = cpu_local(args.calibration, policy)
+        sim = simulate(cfg, dep, workload, run["rate"], duration, slo).summary
+        print(f"\n{run['deployment']} ({dep.describe()}, {policy}) at {run['rate']:g}/s:")
+        print_rows(real, sim)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calibration", required=True)
+    ap.add_argument("--rate", type=float, default=0.5)
+    ap.add_argument("--num", type=int, default=24)
+    ap.add_argument("--input-len", type=int, default=96)
+    ap.add_argument("--output-len", type=int, default=24)
+    ap.add_argument("--slo", default="ttft:3000,tpot:400")
+    ap.add_argument("--bench-json", default=None, help="a `bench compare --json` output")
+    args = ap.parse_args()
+    slo = SLO.parse(args.slo)
+    workload = RandomConfig(args.input_len, args.output_len, seed=0)
+    if args.bench_json:
+        print(f"{workload.describe()} vs {args.bench_json}, SLO {slo.describe()}")
+        against_bench(args, workload, slo)
+        return
+    sessions = [s for s, _ in zip(workload.sessions(args.rate), range(args.num), strict=False)]
+    print(f"{workload.describe()}, {args.rate} req/s, {args.num} requests, SLO {slo.describe()}")
+    records, duration = real_run(sessions)
+    real = summarize(records, duration, slo)
+    cfg = cpu_local(args.calibration)
+    duration = sessions[-1].arrival_s + 1e-9  # the same sessions: those arriving before it
+    sim = simulate(cfg, Deployment(collocated=1), workload, args.rate, duration, slo).summary
+    print_rows(real, sim)
 
 
 if __name__ == "__main__":

@@ -3,28 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import json
 
+from splitserve.bench.cli import add_run_args, loads_from_args, workload_from_args, write_outputs
+from splitserve.bench.load import Load
 from splitserve.bench.metrics import SLO, format_summary
-from splitserve.bench.traces import TraceScale, load_trace
-from splitserve.bench.workloads import (
-    AgenticConfig,
-    LogNormal,
-    MultiRoundQAConfig,
-    RandomConfig,
-    Workload,
-)
 from splitserve.router.policies import POLICIES
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import HARDWARE, get_hardware, load_calibration
 from splitserve.sim.models import DTYPE_BYTES, MODELS, get_model
 
-WORKLOADS = ("agentic", "multi-round-qa", "random", "mooncake", "azure")
-
 
 def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    # No abbreviations: `sim calibrate --out` must not be read as bench's `--output-len`.
     p = subparsers.add_parser(
-        "sim", help="simulate a deployment at datacenter scale (plan, calibrate: see sim -h)"
+        "sim",
+        help="simulate a deployment at datacenter scale (plan, calibrate: see sim -h)",
+        allow_abbrev=False,
     )
     _add_run_args(p)
     p.set_defaults(func=cmd_sim)
@@ -48,19 +42,9 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
 
 
 def _add_run_args(p: argparse.ArgumentParser, deployment: bool = True) -> None:
-    w = p.add_argument_group("workload (as splitserve bench)")
-    w.add_argument("--workload", default="agentic", choices=WORKLOADS)
-    w.add_argument("--rate", type=float, default=1.0, help="sessions per second")
-    w.add_argument("--num-sessions", type=int, default=200)
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens")
-    w.add_argument("--output-len", type=int, default=128, help="random: output tokens")
-    w.add_argument("--tool-calls", type=int, nargs=2, default=[2, 6], metavar=("MIN", "MAX"))
-    w.add_argument("--tool-pause", default="1.0,0.6", help="agentic: MEDIAN[,SIGMA] seconds")
-    w.add_argument("--trace", default=None, help="mooncake/azure: trace file or name")
-    w.add_argument("--trace-block-tokens", type=int, default=512, help="512 replays real lengths")
-    w.add_argument("--max-input-tokens", type=int, default=131072)
-    s = p.add_argument_group("system")
+    """``splitserve bench``'s workload, load, SLO and output options, then the system."""
+    add_run_args(p)
+    s = p.add_argument_group("simulated system")
     s.add_argument("--hardware", default="h100", choices=sorted(HARDWARE))
     s.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
     s.add_argument("--dtype", default=None, choices=sorted(DTYPE_BYTES), help="default bf16")
@@ -73,9 +57,6 @@ def _add_run_args(p: argparse.ArgumentParser, deployment: bool = True) -> None:
     s.add_argument("--policy", default="session", choices=sorted(POLICIES))
     s.add_argument("--prefill-policy", default="prefix", choices=sorted(POLICIES))
     s.add_argument("--remote-prefill-threshold", type=int, default=64)
-    s.add_argument("--slo", default="ttft:2000,tpot:100", help="ttft:MS,tpot:MS[,e2e:MS]")
-    s.add_argument("--session-slo", default=None, help="jct:MS")
-    s.add_argument("--json", default=None, help="write the summary (and records) here")
     s.add_argument(
         "--itl", action="store_true", help="record every inter-token gap (ITL statistics)"
     )
@@ -85,29 +66,6 @@ def _add_run_args(p: argparse.ArgumentParser, deployment: bool = True) -> None:
         d.add_argument("--decode", type=int, default=0)
         d.add_argument("--collocated", type=int, default=None, metavar="K")
         d.add_argument("--tp", type=int, default=1)
-        d.add_argument("--plot", default=None, help="PNG of TTFT and TPOT distributions")
-
-
-def build_workload(args: argparse.Namespace) -> Workload:
-    if not args.rate > 0:
-        raise ValueError(f"--rate must be > 0 sessions/s, got {args.rate}")
-    name = args.workload
-    if name == "agentic":
-        lo, hi = args.tool_calls
-        return AgenticConfig(
-            min_tool_calls=lo,
-            max_tool_calls=hi,
-            tool_pause_s=LogNormal.parse(args.tool_pause),
-            seed=args.seed,
-        )
-    if name == "multi-round-qa":
-        return MultiRoundQAConfig(seed=args.seed)
-    if name == "random":
-        return RandomConfig(args.input_len, args.output_len, seed=args.seed)
-    if args.trace is None:
-        raise ValueError(f"--workload {name} needs --trace FILE")
-    scale = TraceScale(args.trace_block_tokens, max_input_tokens=args.max_input_tokens)
-    return load_trace(name, args.trace, scale, args.seed)
 
 
 def build_config(args: argparse.Namespace) -> SimConfig:
@@ -138,29 +96,26 @@ def _deployment(args: argparse.Namespace) -> Deployment:
     return Deployment(args.prefill, args.decode, collocated, args.tp)
 
 
+def _rates(args: argparse.Namespace) -> list[Load]:
+    loads = loads_from_args(args)
+    if any(load.rate is None for load in loads):
+        raise ValueError("the simulator runs open loops: give --rate or --sweep")
+    return loads
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     from splitserve.sim.run import simulate
 
-    if args.num_sessions < 1:
-        raise ValueError("--num-sessions must be >= 1")
+    workload, loads = workload_from_args(args), _rates(args)
     slo = SLO.parse(args.slo, args.session_slo)
-    result = simulate(
-        build_config(args),
-        _deployment(args),
-        build_workload(args),
-        args.rate,
-        args.num_sessions,
-        slo,
-    )
-    print(format_summary(result.summary, " Simulated Serving Result "))
-    if args.json:
-        with open(args.json, "w") as f:
-            records = [r.to_dict() for r in result.records]
-            json.dump({"summary": result.summary.to_dict(), "records": records}, f)
-    if args.plot:
-        from splitserve.sim.plots import latency_plot
-
-        latency_plot(result.records, args.plot)
+    config, dep = build_config(args), _deployment(args)
+    print(workload.describe(), flush=True)
+    runs = []
+    for load in loads:
+        result = simulate(config, dep, workload, load.rate, load.duration_s, slo)
+        print(format_summary(result.summary, f" Simulated: {load.describe()} "), flush=True)
+        runs.append((load, result.run))
+    write_outputs(args, {dep.describe(): runs})
     return 0
 
 
@@ -172,15 +127,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     slo = SLO.parse(args.slo, args.session_slo)
     rows = plan(
         build_config(args),
-        build_workload(args),
+        workload_from_args(args),
         candidates(args.gpus, args.tp),
         slo,
-        args.num_sessions,
+        args.duration,
         tuple(args.rate_range),
         args.attainment,
         args.iters,
     )
     print(format_plan(rows, slo, args.attainment))
+    lo, hi = args.rate_range
+    if any(r.max_rate >= hi - (hi - lo) / 2**args.iters for r in rows):
+        print(f"note: some deployments meet the SLO at the top of --rate-range ({hi:g}); raise it")
     best = rows[0]
     print(f"best: {best.deployment.describe()}, {best.goodput_per_gpu:.3f} req/s per GPU")
     return 0

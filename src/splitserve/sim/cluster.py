@@ -6,6 +6,7 @@ A request flows as it does through ``splitserve.router``::
                  │ no                        │ yes: prefill policy picks P
                  ▼                           ▼
          D prefills and decodes      P prefills (max_tokens=1, blocks kept under a lease)
+                                             │ the router's second leg (remote_leg_s), then
                                              │ D pulls the blocks it lacks over its link
                                              ▼ (bytes / bandwidth + latency, FIFO per D)
                                      D registers them, admits the request (its prefix cache
@@ -50,6 +51,7 @@ class SimWorker:
     steps: int = 0
     link_free: float = 0.0  # inbound KV link busy until
     calls: list[Callable[[], None]] = field(default_factory=list)
+    in_calls: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -222,6 +224,8 @@ class Cluster:
 
     def _kick(self, w: SimWorker) -> None:
         """Something changed for ``w``: start a step if idle, or end a decode run early."""
+        if w.in_calls:
+            return  # between steps already: _begin picks it up
         if not w.busy:
             self._begin(w)
         elif w.engine.in_run and (w.calls or w.engine.admission_possible()):
@@ -230,16 +234,25 @@ class Cluster:
                 self._schedule_end(w, total)
 
     def _begin(self, w: SimWorker) -> None:
-        calls, w.calls = w.calls, []
-        for call in calls:
-            call()
-        duration = w.engine.begin()
-        if duration is None:
-            w.busy = False
-            return
-        w.busy = True
-        w.started = self.now
-        self._schedule_end(w, duration)
+        """Between steps: run the queued engine calls, then start the next step. A call
+        queued by a call waits for the next step boundary, unless the engine is idle."""
+        while True:
+            calls, w.calls = w.calls, []
+            w.in_calls = True
+            for call in calls:
+                call()
+            w.in_calls = False
+            duration = w.engine.begin()
+            if duration is not None and w.calls and w.engine.in_run:
+                duration = w.engine.interrupt(0.0)  # the queued calls wait one step only
+            if duration is not None:
+                w.busy = True
+                w.started = self.now
+                self._schedule_end(w, duration)
+                return
+            if not w.calls:
+                w.busy = False
+                return
 
     def _schedule_end(self, w: SimWorker, duration: float) -> None:
         w.duration = duration
@@ -282,15 +295,25 @@ class Cluster:
         self.prefill_policy.on_request_complete(p.router, req.info)
         d = req.decode
         d.router.in_flight += 1
-        self._on_engine(d, lambda: self._pull(req, p, d, seq))
+        leg = self.config.hardware.remote_leg_s
+        self.events.at(
+            self.now + leg, lambda _: self._on_engine(d, lambda: self._hits(req, p, d, seq))
+        )
 
-    def _pull(self, req: _Request, p: SimWorker, d: SimWorker, kept: Sequence) -> None:
-        """On D's engine thread: plan the pull, reserve blocks, start the transfer."""
+    def _hits(self, req: _Request, p: SimWorker, d: SimWorker, kept: Sequence) -> None:
+        """D's engine, between steps: which of the prompt's blocks it holds already. Like the
+        real decode worker's, each of its engine calls waits for its own step boundary."""
+        bm = d.engine.block_manager
+        usable = bm.reusable_blocks(len(req.prompt))
+        hits = bm.cached_prefix(kept.block_hashes[:usable], req.prompt)
+        self._on_engine(d, lambda: self._pull(req, p, d, kept, hits))
+
+    def _pull(self, req: _Request, p: SimWorker, d: SimWorker, kept: Sequence, hits: int) -> None:
+        """D's engine, the next boundary: reserve blocks, start the transfer."""
         bm = d.engine.block_manager
         usable = bm.reusable_blocks(len(req.prompt))
         hashes = kept.block_hashes[:usable]
-        hits = bm.cached_prefix(hashes, req.prompt)
-        n = usable - hits
+        n = usable - hits  # hits evicted since then are recomputed at admission, as for real
         dest = bm.reserve(n) if n > 0 else None
         if dest is None:
             self.stats.transfer_fallbacks += n > 0

@@ -21,7 +21,6 @@ form (``DecodeLine``). ``exact=True`` runs every step through the real ``schedul
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from splitserve.engine.plan import StepPlan, StepResult
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig
 from splitserve.engine.sequence import Sequence
 from splitserve.sim.cost_model import CostModel, DecodeLine, StepShape
+from splitserve.sim.step_log import StepLog
 
 
 @dataclass(slots=True)
@@ -76,7 +76,6 @@ class SimEngine:
         self.step_log = StepLog() if log_steps else None
         self._duration = 0.0
         self.steps = 0  # steps taken; a decoding sequence is up to date at ``_base[seq]``
-        self.busy_time = 0.0
         self._n_dec = 0  # scheduler.running[:_n_dec] are decoding
         self._base: dict[Sequence, int] = {}
         self._order: dict[Sequence, int] = {}
@@ -100,10 +99,6 @@ class SimEngine:
     def blocks_released(self) -> None:
         """Blocks went back to the pool from outside (a lease ended): admission may succeed."""
         self._blocked = False
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.scheduler.running) + len(self.scheduler.waiting)
 
     @property
     def in_run(self) -> bool:
@@ -372,37 +367,6 @@ class SimEngine:
         self._finishes.clear()
         self._ctx_base = 0
         self._n_dec = 0
-
-
-class StepLog:
-    """Every step's duration, kept as runs (a ``DecodeLine``) and single steps, to give a
-    request its inter-token gaps: the durations of the steps it took part in."""
-
-    def __init__(self) -> None:
-        self._starts: list[int] = []  # index of each entry's first step (0-based)
-        self._entries: list[tuple[int, float | DecodeLine]] = []  # (steps, duration or line)
-
-    def add_step(self, first: int, duration: float) -> None:
-        self._starts.append(first)
-        self._entries.append((1, duration))
-
-    def add_run(self, first: int, steps: int, line: DecodeLine) -> None:
-        self._starts.append(first)
-        self._entries.append((steps, line))
-
-    def durations(self, lo: int, hi: int) -> list[float]:
-        """Durations of steps ``lo .. hi - 1``."""
-        out: list[float] = []
-        i = max(0, bisect.bisect_right(self._starts, lo) - 1)
-        while i < len(self._entries) and self._starts[i] < hi:
-            first, (n, what) = self._starts[i], self._entries[i]
-            a, b = max(lo, first), min(hi, first + n)
-            if isinstance(what, float):
-                out.extend([what] * (b - a))
-            else:
-                out.extend(what.step(k - first) for k in range(a, b))
-            i += 1
-        return out
 
 
 def _decoding(seq: Sequence) -> bool:

@@ -37,6 +37,9 @@ class HardwareProfile:
     link_latency_s: float = 10e-6  # one KV transfer's setup, in the node
     net_latency_s: float = 50e-6
     allreduce_latency_s: float = 8e-6  # one small tensor-parallel all-reduce
+    # The router's decode leg after a remote prefill: the prefill's HTTP answer, the second
+    # request, the decode worker's pull setup (before any KV moves).
+    remote_leg_s: float = 1e-3
     memory_utilization: float = 0.9  # of HBM the engine may use (weights + KV), as vLLM's
     source: str = ""
     notes: dict[str, str] = field(default_factory=dict)
@@ -118,12 +121,16 @@ HARDWARE: dict[str, HardwareProfile] = {
             link_bw=1.0 * GB,
             net_bw=1.0 * GB,
             gpus_per_node=64,
-            compute_eff=0.62,
-            memory_eff=0.5,
-            step_overhead_s=8e-3,
+            # `splitserve sim calibrate --repeats 7` on 2026-11-30, load average ~3 on the 2
+            # cores (other jobs running); rms error of the fit 27% (docs/simulator.md).
+            compute_eff=0.73,
+            memory_eff=0.61,
+            step_overhead_s=0.0,
+            seq_overhead_s=14.3e-3,
             link_latency_s=2e-3,
             net_latency_s=2e-3,
             allreduce_latency_s=0.0,
+            remote_leg_s=0.13,  # benchmarks/disagg_latency.py: +140 ms TTFT, 14 ms of it the pull
             memory_utilization=1.0,
             source="measured on the development machine (2-core VM, no GPU): float32 matmul "
             "at one thread and memory copy bandwidth; KV transfer over loopback TCP from "

@@ -3,7 +3,7 @@
 For every candidate deployment (collocated, and every P:D split, at each TP) the planner
 finds the highest session rate at which the SLO attainment stays at or above a target (the
 DistServe definition of goodput), by bisection over the same seeded sessions arriving closer
-together; goodput per GPU is that rate's request goodput over the GPUs used.
+together for a fixed duration; goodput per GPU is that rate's request goodput over the GPUs.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def plan(
     workload: Workload,
     deployments: list[Deployment],
     slo: SLO,
-    num_sessions: int,
+    duration_s: float,
     rate_range: tuple[float, float],
     target: float = 0.9,
     iters: int = 6,
@@ -76,7 +76,7 @@ def plan(
     for dep in deployments:
 
         def probe(rate: float, dep: Deployment = dep) -> tuple[float, float]:
-            s = simulate(config, dep, workload, rate, num_sessions, slo).summary
+            s = simulate(config, dep, workload, rate, duration_s, slo).summary
             return s.slo_attainment, s.request_goodput
 
         rate, good, att = max_rate(probe, *rate_range, target, iters)

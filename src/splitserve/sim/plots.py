@@ -1,10 +1,9 @@
-"""PNG plots of simulated runs (matplotlib, headless)."""
+"""PNG maps of simulated comparisons (matplotlib, headless); runs plot with bench.report."""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
-
-from splitserve.bench.metrics import RequestRecord
 
 
 def _pyplot():
@@ -14,26 +13,6 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def latency_plot(records: Sequence[RequestRecord], path: str) -> None:
-    """Cumulative distributions of TTFT and TPOT over the successful requests."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    series = (
-        ("TTFT (ms)", [r.ttft_s * 1000 for r in records if r.ok and r.ttft_s is not None]),
-        ("TPOT (ms)", [t * 1000 for r in records if (t := r.tpot_s) is not None]),
-    )
-    for ax, (label, values) in zip(axes, series, strict=True):
-        values = sorted(values)
-        n = len(values)
-        ax.plot(values, [(i + 1) / n for i in range(n)])
-        ax.set_xlabel(label)
-        ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def ratio_map(
@@ -60,7 +39,7 @@ def ratio_map(
     ax.set_yticks(range(len(y_labels)), y_labels)
     ax.set_xlabel(x_name)
     ax.set_ylabel(y_name)
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 56)), fontsize=9)
     fig.colorbar(im, ax=ax, label="goodput ratio disagg / collocated")
     fig.tight_layout()
     fig.savefig(path, dpi=90)

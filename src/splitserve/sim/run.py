@@ -4,42 +4,51 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.bench.metrics import SLO, RequestRecord, Summary, summarize
-from splitserve.bench.workloads import Workload
+from splitserve.bench.load import RunResult
+from splitserve.bench.metrics import SLO, summarize
+from splitserve.bench.workloads import Workload, within
 from splitserve.sim.cluster import Cluster
 from splitserve.sim.deployment import Deployment, SimConfig
 
 
 @dataclass(slots=True)
 class SimResult:
-    records: list[RequestRecord]
-    summary: Summary
+    run: RunResult  # what ``splitserve bench`` reports for a measured run
     cluster: Cluster
+
+    @property
+    def summary(self):
+        return self.run.summary
+
+    @property
+    def records(self):
+        return self.run.records
 
 
 def simulate(
     config: SimConfig,
     deployment: Deployment,
     workload: Workload,
-    rate: float | None,
-    num_sessions: int,
+    rate: float,
+    duration_s: float,
     slo: SLO | None = None,
 ) -> SimResult:
+    """The sessions arriving in ``duration_s`` at ``rate``, each played to its end (an open
+    loop, as ``splitserve bench --rate R --duration S`` with an unbounded drain)."""
+    if not rate > 0 or not duration_s > 0:
+        raise ValueError(f"the rate and duration must be > 0, got {rate} and {duration_s}")
     cluster = Cluster(config, deployment)
-    records = cluster.run(workload.sessions(rate), limit=num_sessions)
-    duration = max((r.end_s for r in records), default=0.0) - min(
-        (r.start_s for r in records), default=0.0
-    )
+    records = cluster.run(within(workload.sessions(rate), duration_s))
+    duration = max((r.end_s for r in records), default=0.0)  # from the first arrival at 0
     info = {
         "workload": workload.describe(),
-        "rate": "all at once" if rate is None else f"{rate:g} sessions/s",
+        "load": f"{rate:g} sessions/s, {duration_s:g} s",
         "deployment": deployment.describe(),
         "hardware": f"{config.hardware.name}, {config.model.name} {config.dtype}",
         "simulated": True,
     }
-    return SimResult(
-        records, summarize(records, duration, slo or SLO(), _counters(cluster), info), cluster
-    )
+    summary = summarize(records, duration, slo or SLO(), _counters(cluster), info)
+    return SimResult(RunResult(summary, records), cluster)
 
 
 def _counters(cluster: Cluster) -> dict[str, float]:
@@ -59,7 +68,3 @@ def _counters(cluster: Cluster) -> dict[str, float]:
         "mean worker busy (%)": 100.0 * sum(w.busy_s for w in workers) / (span * len(workers)),
         "engine steps (events)": sum(w.steps for w in workers),
     }
-
-
-def goodput_per_gpu(result: SimResult, deployment: Deployment) -> float:
-    return result.summary.request_goodput / deployment.gpus
