@@ -34,7 +34,7 @@ def cluster():
             "--kv-test-fault",
             "corrupt_block=0",
         ],
-        "d": ["--role", "decode"],
+        "d": ["--role", "decode", "--host-kv-gb", "0.2"],
     }
     procs = {name: start_worker(args, secret=SECRET) for name, args in specs.items()}
     try:
@@ -119,6 +119,18 @@ def test_second_turn_pulls_only_the_missing_blocks(cluster):
     two_legs(p, d, turn2)
     expected = (len(turn2) - 1) // 16 - 600 // 16
     assert metric(d, "splitserve:kv_bytes_received_total") - before == expected * BLOCK_BYTES
+
+
+def test_pulled_blocks_are_saved_down_the_decode_workers_tier_ladder(cluster):
+    d, p = cluster["d"], cluster["p_tcp"]
+    saved = "splitserve:kv_tier_saved_blocks_total"
+    before, received = metric(d, saved), metric(d, "splitserve:kv_blocks_received_total")
+    two_legs(p, d, prompts(11, 2)[1][:400])
+    pulled = metric(d, "splitserve:kv_blocks_received_total") - received
+    assert pulled == (400 - 1) // 16
+    # Saves run in the background: the pulled blocks, and the few the decode worker
+    # completes itself, land in host RAM shortly after.
+    poll(lambda: metric(d, saved) - before >= pulled, timeout=30)
 
 
 def test_corrupted_block_falls_back_to_recompute(cluster, offline):

@@ -148,8 +148,10 @@ class LLMEngine:
     def register_blocks(
         self, block_ids: list[int], hashes: list[bytes], token_ids: list[int], start_block: int = 0
     ) -> None:
-        """Publish reserved blocks that were filled from outside into the prefix cache."""
+        """Publish reserved blocks that were filled from outside (a KV transfer) into the
+        prefix cache; like blocks computed here, they are saved down the tier ladder."""
         self.block_manager.register(block_ids, hashes, token_ids, start_block)
+        self.tiering.on_cached(list(zip(block_ids, hashes, strict=True)))
 
     def release_blocks(self, block_ids: list[int]) -> None:
         self.block_manager.release(block_ids)
