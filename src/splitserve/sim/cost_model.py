@@ -21,6 +21,7 @@ replicated when ``tp`` exceeds their number) and adds two all-reduces per layer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from splitserve.sim.hardware import HardwareProfile
@@ -185,14 +186,7 @@ class DecodeLine:
 
     def steps_within(self, elapsed: float, limit: int) -> int:
         """How many whole steps (at most ``limit``) fit in ``elapsed`` seconds."""
-        lo, hi = 0, limit
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.total(mid) <= elapsed:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return largest_within(limit, lambda k: self.total(k) <= elapsed)
 
     def _crossover(self) -> int | None:
         """First step index (>= 1) at which the other line takes over; None when one line
@@ -209,6 +203,19 @@ class DecodeLine:
         if self.c0 + self.c1 * k >= self.m0 + self.m1 * k:
             return self.c0, self.c1
         return self.m0, self.m1
+
+
+def largest_within(limit: int, fits: Callable[[int], bool]) -> int:
+    """The largest ``k`` in ``0..limit`` with ``fits(k)``, for ``fits`` true at 0 and
+    monotone (true up to some point, false after): a binary search."""
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _series(a: float, b: float, lo: int, hi: int) -> float:

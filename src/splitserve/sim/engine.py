@@ -29,7 +29,7 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.plan import StepPlan, StepResult
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig
 from splitserve.engine.sequence import Sequence
-from splitserve.sim.cost_model import CostModel, DecodeLine, StepShape
+from splitserve.sim.cost_model import CostModel, DecodeLine, StepShape, largest_within
 from splitserve.sim.step_log import StepLog
 
 
@@ -238,14 +238,7 @@ class SimEngine:
         free, b, bs = self.block_manager.num_free_blocks, self._n_dec, self.block_manager.block_size
         if b * (steps // bs + 1) <= free:
             return steps
-        lo, hi = 0, steps
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._blocks_for(mid) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return largest_within(steps, lambda k: self._blocks_for(k) <= free)
 
     def _blocks_for(self, steps: int) -> int:
         bm, upto = self.block_manager, self.steps + steps
