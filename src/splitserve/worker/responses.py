@@ -27,7 +27,12 @@ from splitserve.common.protocol import (
 from splitserve.engine.outputs import RequestOutput
 from splitserve.worker.async_engine import EngineError, RequestStream
 from splitserve.worker.metrics import RequestTracker
-from splitserve.worker.tool_calls import ToolCallStream, finish_reason_with_calls, parse_tool_calls
+from splitserve.worker.tool_calls import (
+    ParsedReply,
+    ToolCallStream,
+    finish_reason_with_calls,
+    parse_tool_calls,
+)
 
 DONE = "data: [DONE]\n\n"
 
@@ -54,16 +59,10 @@ def chat_response(
     """``tools``: the request offered tools, so calls in the reply become ``tool_calls``."""
     completion = out.outputs[0]
     top, per_choice = token_id_fields(out, token_ids)
-    reply = parse_tool_calls(completion.text) if tools else None
-    message = (
-        ResponseMessage(content=reply.content, tool_calls=reply.tool_calls)
-        if reply
-        else ResponseMessage(content=completion.text)
-    )
-    calls = reply.tool_calls if reply else []
+    reply = parse_tool_calls(completion.text) if tools else ParsedReply(completion.text)
     choice = ChatChoice(
-        message=message,
-        finish_reason=finish_reason_with_calls(completion.finish_reason, calls),
+        message=ResponseMessage(content=reply.content, tool_calls=reply.tool_calls),
+        finish_reason=finish_reason_with_calls(completion.finish_reason, reply.tool_calls),
         **per_choice,
     )
     return ChatCompletionResponse(
