@@ -35,6 +35,8 @@ def cluster():
             "corrupt_block=0",
         ],
         "d": ["--role", "decode", "--host-kv-gb", "0.2"],
+        # 21 device blocks (336 tokens) over 72 in host RAM: a session's blocks get evicted.
+        "d_small": ["--role", "decode", "--kv-cache-gb", "0.015", "--host-kv-gb", "0.05"],
     }
     procs = {name: start_worker(args, secret=SECRET) for name, args in specs.items()}
     try:
@@ -131,6 +133,24 @@ def test_pulled_blocks_are_saved_down_the_decode_workers_tier_ladder(cluster):
     # Saves run in the background: the pulled blocks, and the few the decode worker
     # completes itself, land in host RAM shortly after.
     poll(lambda: metric(d, saved) - before >= pulled, timeout=30)
+
+
+def test_decode_worker_loads_its_own_lower_tiers_instead_of_pulling(cluster, offline):
+    d, p = cluster["d_small"], cluster["p_tcp"]
+    turn1 = prompts(12, 2)[1][:200]
+    two_legs(p, d, turn1)  # pulls 12 blocks, saved to host RAM in the background
+    poll(lambda: metric(d, "splitserve:kv_tier_saved_blocks_total") >= 200 // 16, timeout=30)
+    # A local prompt that needs the whole device pool evicts turn 1's blocks from it.
+    r = httpx.post(f"{d}/v1/completions", json=body(prompts(13, 2)[1][:320]), timeout=120)
+    assert r.status_code == 200, r.text
+    turn2 = turn1 + [2000 + i for i in range(100)]
+    received = metric(d, "splitserve:kv_blocks_received_total")
+    local = metric(d, "splitserve:kv_blocks_from_local_tiers_total")
+    assert two_legs(p, d, turn2) == reference(offline, [turn2])[0]
+    # Turn 1's 12 blocks come up from host RAM; only the 6 new ones cross the wire.
+    assert metric(d, "splitserve:kv_blocks_from_local_tiers_total") - local == 200 // 16
+    pulled = metric(d, "splitserve:kv_blocks_received_total") - received
+    assert pulled == (len(turn2) - 1) // 16 - 200 // 16
 
 
 def test_corrupted_block_falls_back_to_recompute(cluster, offline):

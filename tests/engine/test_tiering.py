@@ -98,7 +98,7 @@ def test_a_load_takes_the_free_blocks_there_are_and_waits_when_none():
 def test_a_request_waits_for_the_prefetch_that_brings_its_prefix():
     tokens = list(range(1, 19))
     sched, tiering = make(lower=Lower(hash_blocks(tokens, ROOT, BS)))
-    assert tiering.prefetch(tokens, ROOT) == 4
+    assert tiering.prefetch(tokens, ROOT) == (0, 4)  # none held in the pool, 4 coming up
     [load] = tiering.take_copies()
     s = seq("a", 18)
     sched.add(s)

@@ -159,9 +159,14 @@ class LLMEngine:
     def prefetch(self, token_ids: list[int], salt: str = "") -> int:
         """Start promoting this prompt's prefix from lower tiers (a hint that it is coming);
         returns how many blocks are on their way up."""
-        n = self.tiering.prefetch(token_ids, root_hash(self.model_id, salt))
+        return self.local_prefix(token_ids, salt)[1]
+
+    def local_prefix(self, token_ids: list[int], salt: str = "") -> tuple[int, int]:
+        """The leading reusable blocks of this prompt held here: ``(held, loading)``, in the
+        device pool and now on their way up from lower tiers (this starts those loads)."""
+        held, loading = self.tiering.prefetch(token_ids, root_hash(self.model_id, salt))
         self._start_copies()
-        return n
+        return held, loading
 
     def retain_prefix(
         self, token_ids: list[int], session_id: str, ttl_s: float | None = None, salt: str = ""

@@ -163,17 +163,18 @@ class Tiering:
         self.loading[seq.request_id] = seq
         return Admission.LOADING
 
-    def prefetch(self, token_ids: list[int], root: BlockHash) -> int:
-        """Start promoting whatever lower tiers hold of this prompt's prefix (a router hint
-        that the prompt is coming); returns how many blocks are on their way."""
-        if self.lower is None:
-            return 0
+    def prefetch(self, token_ids: list[int], root: BlockHash) -> tuple[int, int]:
+        """Start promoting whatever lower tiers hold of this prompt's prefix (a hint that the
+        prompt is coming). Returns ``(held, loading)``: the leading reusable blocks the device
+        pool holds, and how many after them are now on their way up."""
         usable = self.bm.reusable_blocks(len(token_ids))
         hashes = hash_blocks(token_ids[: usable * self.bm.block_size], root, self.bm.block_size)
         held = self.bm.cached_prefix(hashes, token_ids)
+        if self.lower is None:
+            return held, 0
         below, _ = self._held_below(token_ids, hashes[held - 1] if held else root, held)
         copy = self._plan_load(token_ids, below, held, None) if below else None
-        return 0 if copy is None else len(copy.block_ids)
+        return held, 0 if copy is None else len(copy.block_ids)
 
     def _held_below(
         self, token_ids: list[int], parent: BlockHash, start: int

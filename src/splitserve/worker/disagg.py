@@ -202,8 +202,12 @@ class DecodeSide:
         if n > len(hashes) or tuple(hashes[:n]) != remote.block_hashes:
             await self._release_remote(remote)
             return ImportResult(remote=False, fallback="hash_mismatch")
-        hits = await self.calls.call(lambda e: e.block_manager.cached_prefix(hashes, prompt))
-        plan = self.planner.plan_load(remote, set(hashes[:hits]))
+        # Blocks this worker holds, in its pool or one tier down, are not pulled: the ones
+        # below start their way up now and arrive while the rest crosses the wire.
+        held, loading = await self.calls.call(lambda e: e.local_prefix(prompt, salt))
+        local = held + loading
+        self.metrics.kv_local_tier_blocks.inc(loading)
+        plan = self.planner.plan_load(remote, set(hashes[:local]))
         # Blocks past what the prefix cache may reuse are recomputed anyway: don't pull them.
         usable = self.engine.block_manager.reusable_blocks(len(prompt))
         plan = LoadPlan(

@@ -74,6 +74,11 @@ class WorkerMetrics:
         self.kv_blocks_received = Counter(
             "splitserve:kv_blocks_received", "KV blocks pulled from prefill workers", registry=r
         )
+        self.kv_local_tier_blocks = Counter(
+            "splitserve:kv_blocks_from_local_tiers",
+            "KV blocks a decode worker took from its own host RAM or disk instead of pulling",
+            registry=r,
+        )
         self.kv_bytes_received = Counter(
             "splitserve:kv_bytes_received", "KV bytes pulled from prefill workers", registry=r
         )
