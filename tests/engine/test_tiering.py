@@ -62,6 +62,29 @@ def test_prefix_in_lower_tiers_is_loaded_before_admission():
     assert s.num_cached_tokens == 12 and s.block_table[:3] == [0, 1, 2]
 
 
+def test_the_device_prefix_a_load_extends_is_not_evicted_for_it():
+    # Block 0 of the prompt is still cached, the least recently used block in the pool; its
+    # next blocks are one tier down. Reserving blocks for the load must not evict block 0,
+    # or the loaded blocks would hang off a broken chain and the prompt be recomputed.
+    tokens = list(range(1, 19))
+    lower = Lower(hash_blocks(tokens, ROOT, BS)[1:4])
+    sched, tiering = make(num_blocks=5, lower=lower)
+    for first, n in ((1, 5), (100, 12)):  # block 0, then 3 blocks after it in the LRU order
+        sched.add(seq(f"r{first}", n, first=first))
+        run(sched)
+        for save in tiering.take_copies():  # the saves land: no block is held by a copy
+            tiering.complete(CopyDone(save.copy_id, len(save.block_ids)))
+    s = seq("a", 18)
+    sched.add(s)
+    assert not sched.schedule()
+    [load] = tiering.take_copies()
+    assert load.kind == "load" and len(load.block_ids) == 3
+    sched.resume(tiering.complete(CopyDone(load.copy_id, 3)))
+    plan = sched.schedule()
+    assert [(c.start_pos, c.num_tokens) for c in plan.chunks] == [(16, 2)]
+    assert s.num_cached_tokens == 16
+
+
 def test_a_partial_load_registers_what_verified_and_recomputes_the_rest():
     lower = Lower(hash_blocks(list(range(1, 19)), ROOT, BS))
     sched, tiering = make(lower=lower)

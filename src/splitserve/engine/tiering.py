@@ -53,6 +53,8 @@ class BlockCopy:
     hashes: list[BlockHash]
     token_ids: list[int] = field(default_factory=list)
     request_id: str | None = None  # the sequence a load is for (None: a prefetch)
+    # A load's device prefix (the cached blocks it extends), kept from eviction meanwhile.
+    prefix_ids: list[int] = field(default_factory=list)
 
 
 class Admission(enum.Enum):
@@ -157,7 +159,7 @@ class Tiering:
         if not hashes:
             seq.tier_checked = True
             return Admission.COMPUTE
-        if self._plan_load(seq.token_ids, hashes, match.num_blocks, seq.request_id) is None:
+        if self._plan_load(seq.token_ids, hashes, match.block_ids, seq.request_id) is None:
             return Admission.WAIT
         seq.tier_checked = True
         self.loading[seq.request_id] = seq
@@ -169,11 +171,12 @@ class Tiering:
         pool holds, and how many after them are now on their way up."""
         usable = self.bm.reusable_blocks(len(token_ids))
         hashes = hash_blocks(token_ids[: usable * self.bm.block_size], root, self.bm.block_size)
-        held = self.bm.cached_prefix(hashes, token_ids)
+        prefix = self.bm.cached_blocks(hashes, token_ids)
+        held = len(prefix)
         if self.lower is None:
             return held, 0
         below, _ = self._held_below(token_ids, hashes[held - 1] if held else root, held)
-        copy = self._plan_load(token_ids, below, held, None) if below else None
+        copy = self._plan_load(token_ids, below, prefix, None) if below else None
         return held, 0 if copy is None else len(copy.block_ids)
 
     def _held_below(
@@ -193,18 +196,27 @@ class Tiering:
         return hashes, False
 
     def _plan_load(
-        self, token_ids: list[int], hashes: list[BlockHash], start: int, request_id: str | None
+        self,
+        token_ids: list[int],
+        hashes: list[BlockHash],
+        prefix_ids: list[int],
+        request_id: str | None,
     ) -> BlockCopy | None:
-        """Reserve device blocks for ``hashes`` (blocks ``start ..`` of ``token_ids``), as
-        many as are free now, and queue their load; None when no block is free."""
+        """Reserve device blocks for ``hashes`` (the blocks of ``token_ids`` after the cached
+        ``prefix_ids``), as many as are free now, and queue their load; None when no block is
+        free. The prefix is held until the load lands: the reservation must not evict it."""
+        self.bm.acquire(prefix_ids)
         hashes = hashes[: self.bm.num_free_blocks]
         block_ids = self.bm.reserve(len(hashes)) if hashes else None
         if block_ids is None:
+            self.bm.release(prefix_ids)
             return None
         self._arriving.update(hashes)
-        bs = self.bm.block_size
+        bs, start = self.bm.block_size, len(prefix_ids)
         tokens = token_ids[start * bs : (start + len(hashes)) * bs]
-        copy = BlockCopy(next(self._ids), "load", block_ids, hashes, tokens, request_id)
+        copy = BlockCopy(
+            next(self._ids), "load", block_ids, hashes, tokens, request_id, list(prefix_ids)
+        )
         self._copies.append(copy)
         self.stats.loads += 1
         return copy
@@ -245,6 +257,7 @@ class Tiering:
         self.stats.load_misses += len(copy.block_ids) - ok
         self.bm.release(copy.block_ids[ok:])
         self.bm.register(copy.block_ids[:ok], copy.hashes[:ok], copy.token_ids)
+        self.bm.release(copy.prefix_ids)
         if copy.request_id is None:
             return None
         return self.loading.pop(copy.request_id, None)
