@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +34,10 @@ from splitserve.transfer.kv_pages import (
 # Loads first: a request waits on them, while a save only has to land before its block is
 # needed again. Saves keep their order among themselves (a counter breaks ties).
 _LOAD, _SAVE, _STOP = 0, 1, 2
+# The mover shares the GIL with the engine's step. At Python's default 5 ms switch interval
+# each GIL hand-over can wait out a whole interval behind the step's Python code: a 128-block
+# host-RAM load took 5-8x longer while four requests decoded (benchmarks/kv_tier_overlap.py).
+SWITCH_INTERVAL_S = 0.0005
 # Hears of each load: (the slowest tier it read, seconds, blocks loaded).
 LoadObserver = Callable[[str, float, int], None]  # (tier, seconds, blocks)
 
@@ -58,6 +63,7 @@ class KVMover:
         self._done: list[CopyDone] = []
         self._cv = threading.Condition()
         self._pending = 0
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="kv-tier-mover", daemon=True)
         self._thread.start()
 
