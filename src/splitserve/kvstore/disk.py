@@ -164,17 +164,19 @@ class DiskTier(KVTier):
         if PREFIX_BYTES + header.body_len != file_size:
             raise BlockFileError("header_failures", "length does not match the file size")
 
-    def _decode(self, block_hash: BlockHash, raw: bytes) -> StoredBlock:
-        if len(raw) < PREFIX_BYTES:
+    def _decode(self, block_hash: BlockHash, prefix: bytes, body: bytes) -> StoredBlock:
+        """A block from its file's prefix (header and checksum) and body, read apart so that
+        the body is never copied out of a larger buffer."""
+        if len(prefix) < PREFIX_BYTES:
             raise BlockFileError("header_failures", "truncated file")
-        header_raw, body = raw[: _HEADER.size], raw[PREFIX_BYTES:]
-        (stored_checksum,) = _CHECKSUM.unpack_from(raw, _HEADER.size)
+        header_raw = prefix[: _HEADER.size]
+        (stored_checksum,) = _CHECKSUM.unpack_from(prefix, _HEADER.size)
         checksum = xxhash.xxh3_64(header_raw)
         checksum.update(body)
         if checksum.intdigest() != stored_checksum:
             raise BlockFileError("checksum_failures", "checksum mismatch")
         header = _Header.unpack(header_raw)
-        self._check_header(header, block_hash, len(raw))
+        self._check_header(header, block_hash, PREFIX_BYTES + len(body))
         if self._aead is not None:
             try:
                 body = self._aead.decrypt(header.nonce, body, header_raw)
@@ -276,8 +278,9 @@ class DiskTier(KVTier):
         if not self._touch(block_hash):
             return None
         try:
-            raw = self._path(block_hash).read_bytes()
-            return self._decode(block_hash, raw)
+            with open(self._path(block_hash), "rb", buffering=0) as f:
+                prefix = f.read(PREFIX_BYTES)
+                return self._decode(block_hash, prefix, f.read())
         except BlockFileError as e:
             setattr(self.stats, e.reason, getattr(self.stats, e.reason) + 1)
         except (OSError, ValueError):
