@@ -56,7 +56,8 @@ def test_prefix_in_lower_tiers_is_loaded_before_admission():
     [load] = tiering.take_copies()
     assert (load.kind, load.block_ids, load.token_ids) == ("load", [0, 1, 2], tokens[:12])
     assert load.hashes == hash_blocks(tokens, ROOT, BS)[:3]
-    sched.resume(tiering.complete(CopyDone(load.copy_id, 3)))
+    assert tiering.complete(CopyDone(load.copy_id, 3)) == [s]
+    sched.resume(s)
     plan = sched.schedule()
     assert [(c.start_pos, c.num_tokens) for c in plan.chunks] == [(12, 6)]
     assert s.num_cached_tokens == 12 and s.block_table[:3] == [0, 1, 2]
@@ -79,7 +80,8 @@ def test_the_device_prefix_a_load_extends_is_not_evicted_for_it():
     assert not sched.schedule()
     [load] = tiering.take_copies()
     assert load.kind == "load" and len(load.block_ids) == 3
-    sched.resume(tiering.complete(CopyDone(load.copy_id, 3)))
+    [resumed] = tiering.complete(CopyDone(load.copy_id, 3))
+    sched.resume(resumed)
     plan = sched.schedule()
     assert [(c.start_pos, c.num_tokens) for c in plan.chunks] == [(16, 2)]
     assert s.num_cached_tokens == 16
@@ -93,7 +95,8 @@ def test_a_partial_load_registers_what_verified_and_recomputes_the_rest():
     sched.schedule()
     [load] = tiering.take_copies()
     assert len(load.block_ids) == 4  # reusable blocks only: never the one with the last token
-    sched.resume(tiering.complete(CopyDone(load.copy_id, 1)))  # block 1 failed its checksum
+    [resumed] = tiering.complete(CopyDone(load.copy_id, 1))  # block 1 failed its checksum
+    sched.resume(resumed)
     plan = sched.schedule()
     assert [(c.start_pos, c.num_tokens) for c in plan.chunks] == [(4, 14)]
     assert tiering.stats.load_misses == 3 and tiering.stats.blocks_loaded == 1
@@ -112,7 +115,8 @@ def test_a_load_takes_the_free_blocks_there_are_and_waits_when_none():
     c = seq("c", 18, first=100)
     assert tiering.start_load(c, bm.match_prefix(c)) is Admission.WAIT  # no block free
     assert not c.tier_checked
-    assert tiering.start_load(b, bm.match_prefix(b)) is Admission.WAIT  # a's load brings it
+    assert tiering.start_load(b, bm.match_prefix(b)) is Admission.LOADING  # a's load brings it
+    assert not tiering.take_copies() and set(tiering.loading) == {"a", "b"}
     d = seq("d", 18, first=200)
     assert tiering.start_load(d, bm.match_prefix(d)) is Admission.COMPUTE  # nothing below
     assert d.tier_checked and not tiering.take_copies()
@@ -125,9 +129,13 @@ def test_a_request_waits_for_the_prefetch_that_brings_its_prefix():
     [load] = tiering.take_copies()
     s = seq("a", 18)
     sched.add(s)
-    assert not sched.schedule() and sched.has_unfinished()  # waits: no second load
-    assert not tiering.take_copies()
-    tiering.complete(CopyDone(load.copy_id, 4))
+    sched.add(seq("b", 5, first=100))  # nothing cached anywhere: not held up behind "a"
+    plan = sched.schedule()
+    assert [c.request_id for c in plan.chunks] == ["b"] and tiering.loading == {"a": s}
+    assert not tiering.take_copies()  # "a" waits for the prefetch, no second load
+    sched.update(plan, StepResult({"b": 7}))
+    for resumed in tiering.complete(CopyDone(load.copy_id, 4)):
+        sched.resume(resumed)
     plan = sched.schedule()
     assert [(c.start_pos, c.num_tokens) for c in plan.chunks] == [(16, 2)]
     assert s.num_cached_tokens == 16
@@ -158,7 +166,7 @@ def test_aborting_a_loading_sequence_still_lands_its_blocks():
     [load] = tiering.take_copies()
     assert sched.abort("a").status is SequenceStatus.FINISHED
     assert sched.has_unfinished()  # until its load lands
-    assert tiering.complete(CopyDone(load.copy_id, 4)) is None
+    assert tiering.complete(CopyDone(load.copy_id, 4)) == []
     assert not sched.has_unfinished()
     assert sched.block_manager.match_prefix(seq("b", 18)).num_blocks == 4
 

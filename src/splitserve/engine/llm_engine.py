@@ -184,9 +184,8 @@ class LLMEngine:
         """Between steps, also when idle: apply finished tier copies and expire pins."""
         if self.kv_tiers is not None:
             for done in self.kv_tiers.mover.completed():
-                seq = self.tiering.complete(done)
-                if seq is not None:
-                    self.scheduler.resume(seq)
+                for seq in reversed(self.tiering.complete(done)):
+                    self.scheduler.resume(seq)  # to the queue's front, in their order
         self.tiering.expire_pins()
         self._start_copies()
 

@@ -59,7 +59,7 @@ class BlockCopy:
 
 class Admission(enum.Enum):
     COMPUTE = "compute"  # nothing below to load: admit and compute as usual
-    LOADING = "loading"  # a load was queued; the sequence waits for it
+    LOADING = "loading"  # a load (its own, or a prefetch's) brings its prefix; it waits
     WAIT = "wait"  # lower tiers hold its prefix, but no free blocks to load into yet
 
 
@@ -117,6 +117,7 @@ class Tiering:
         self._copies: list[BlockCopy] = []  # decided, not yet handed to the mover
         self._in_flight: dict[int, BlockCopy] = {}
         self._arriving: set[BlockHash] = set()  # hashes of loads in flight
+        self._waiters: dict[int, list[str]] = {}  # load id -> others waiting for it
         self._ids = itertools.count()
         self._pins: OrderedDict[str, _Pin] = OrderedDict()  # oldest first
         if lower is not None:
@@ -149,13 +150,16 @@ class Tiering:
     def start_load(self, seq: Sequence, match: PrefixMatch) -> Admission:
         """On admission: if lower tiers hold blocks that extend ``match``, reserve device
         blocks for them and queue a load (``LOADING``: ``seq`` now waits in ``loading``), or
-        ``WAIT`` for free blocks to load into; ``COMPUTE`` when there is nothing to load."""
+        ``WAIT`` for free blocks to load into; ``COMPUTE`` when there is nothing to load.
+        When a load in flight (a prefetch) already brings its next block, ``seq`` waits for
+        that one (``LOADING``), out of the queue, so requests behind it are not held up."""
         if self.lower is None or seq.tier_checked:
             return Admission.COMPUTE
         parent = match.hashes[-1] if match.hashes else seq.root_hash
         hashes, arriving = self._held_below(seq.token_ids, parent, match.num_blocks)
-        if arriving and not hashes:
-            return Admission.WAIT  # its next blocks are being loaded already (a prefetch)
+        if arriving is not None and not hashes:
+            self._wait_for(seq, arriving)
+            return Admission.LOADING
         if not hashes:
             seq.tier_checked = True
             return Admission.COMPUTE
@@ -181,19 +185,29 @@ class Tiering:
 
     def _held_below(
         self, token_ids: list[int], parent: BlockHash, start: int
-    ) -> tuple[list[BlockHash], bool]:
+    ) -> tuple[list[BlockHash], BlockHash | None]:
         """Hashes of the reusable blocks from ``start`` on that lower tiers hold, in a row,
-        up to one a load in flight brings already (then also True)."""
+        up to one a load in flight brings already (then also that one's hash)."""
         bs = self.bm.block_size
         end = self.bm.reusable_blocks(len(token_ids))
         hashes = []
         for h in hash_blocks(token_ids[start * bs : end * bs], parent, bs):
             if h in self._arriving:
-                return hashes, True
+                return hashes, h
             if not self.lower.contains(h):  # type: ignore[union-attr]
                 break
             hashes.append(h)
-        return hashes, False
+        return hashes, None
+
+    def _wait_for(self, seq: Sequence, block_hash: BlockHash) -> None:
+        """Park ``seq`` until the load in flight that brings ``block_hash`` lands."""
+        copy = next(
+            c
+            for c in itertools.chain(self._copies, self._in_flight.values())
+            if c.kind == "load" and block_hash in c.hashes
+        )
+        self._waiters.setdefault(copy.copy_id, []).append(seq.request_id)
+        self.loading[seq.request_id] = seq
 
     def _plan_load(
         self,
@@ -244,13 +258,13 @@ class Tiering:
 
     # ---- completions ---------------------------------------------------------------------
 
-    def complete(self, done: CopyDone) -> Sequence | None:
-        """Apply a finished copy; returns the sequence to put back in the queue, if any."""
+    def complete(self, done: CopyDone) -> list[Sequence]:
+        """Apply a finished copy; returns the sequences to put back in the queue, in order."""
         copy = self._in_flight.pop(done.copy_id)
         if copy.kind == "save":
             self.bm.release(copy.block_ids)
             self.stats.blocks_saved += done.num_ok
-            return None
+            return []
         ok = done.num_ok
         self._arriving.difference_update(copy.hashes)
         self.stats.blocks_loaded += ok
@@ -258,9 +272,8 @@ class Tiering:
         self.bm.release(copy.block_ids[ok:])
         self.bm.register(copy.block_ids[:ok], copy.hashes[:ok], copy.token_ids)
         self.bm.release(copy.prefix_ids)
-        if copy.request_id is None:
-            return None
-        return self.loading.pop(copy.request_id, None)
+        waiting = [copy.request_id, *self._waiters.pop(copy.copy_id, [])]
+        return [self.loading.pop(r) for r in waiting if r in self.loading]
 
     # ---- retention -----------------------------------------------------------------------
 
