@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from splitserve.common.kv_hash import BlockHash, block_hash
+from splitserve.common.kv_hash import BlockChain, BlockHash
 from splitserve.engine.free_queue import FreeQueue
 from splitserve.engine.sequence import Sequence
 
@@ -134,21 +134,25 @@ class BlockManager:
 
         See ``reusable_blocks`` for why a fully cached prompt still computes its last block.
         """
-        bs = self.block_size
         max_blocks = self.reusable_blocks(seq.num_tokens)
+        chain = self.chain(seq, max_blocks)
+        cached, stored = self._cached, self._tokens
         block_ids: list[int] = []
-        hashes: list[BlockHash] = []
-        parent = seq.root_hash
-        for i in range(max_blocks):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(parent, tokens)
-            block_id = self.lookup(h, tokens)
-            if block_id is None:
+        for h, tokens in zip(chain.hashes[:max_blocks], chain.tokens[:max_blocks], strict=True):
+            block_id = cached.get(h)
+            if block_id is None or stored[block_id] != tokens:
                 break
             block_ids.append(block_id)
-            hashes.append(h)
-            parent = h
-        return PrefixMatch(block_ids, hashes)
+        return PrefixMatch(block_ids, chain.hashes[: len(block_ids)])
+
+    def chain(self, seq: Sequence, num_blocks: int) -> BlockChain:
+        """``seq``'s hash chain, covering at least its first ``num_blocks`` full blocks."""
+        chain = seq.chain
+        if chain is None or chain.block_size != self.block_size or chain.root != seq.root_hash:
+            chain = seq.chain = BlockChain(seq.root_hash, self.block_size)
+        if len(chain) < num_blocks:
+            chain.extend(seq.token_ids, num_blocks)
+        return chain
 
     def can_allocate(self, match: PrefixMatch, num_new_tokens: int, seq: Sequence) -> bool:
         """Whether ``seq`` can start with ``match`` reused plus ``num_new_tokens`` computed."""
@@ -189,19 +193,18 @@ class BlockManager:
         """Register every newly completed block of ``seq`` in the prefix cache; returns the
         (block id, hash) pairs it published."""
         published: list[tuple[int, BlockHash]] = []
-        bs = self.block_size
-        num_full = seq.num_computed_tokens // bs
-        parent = seq.block_hashes[-1] if seq.block_hashes else seq.root_hash
-        for i in range(len(seq.block_hashes), num_full):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(parent, tokens)
-            seq.block_hashes.append(h)
-            parent = h
-            block_id = seq.block_table[i]
+        start, num_full = len(seq.block_hashes), seq.num_computed_tokens // self.block_size
+        if num_full <= start:
+            return published
+        chain = self.chain(seq, num_full)
+        seq.block_hashes.extend(chain.hashes[start:num_full])
+        cached, stored_hash, table = self._cached, self._hash, seq.block_table
+        for i in range(start, num_full):
+            h, block_id = chain.hashes[i], table[i]
             # Another sequence may have computed the same block first; keep the first one.
-            if h not in self._cached and self._hash[block_id] is None:
-                self._hash[block_id], self._tokens[block_id] = h, tokens
-                self._cached[h] = block_id
+            if h not in cached and stored_hash[block_id] is None:
+                stored_hash[block_id], self._tokens[block_id] = h, chain.tokens[i]
+                cached[h] = block_id
                 published.append((block_id, h))
         return published
 
