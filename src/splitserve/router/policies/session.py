@@ -13,13 +13,19 @@ class SyncedRing:
     """A ring kept equal to the current candidate set.
 
     The ring's points depend only on its members, never on the order they joined, so two
-    routers that see the same healthy workers place every key the same way.
+    routers that see the same healthy workers place every key the same way. Candidates are
+    usually the same workers call after call: then syncing costs one comparison.
     """
 
     def __init__(self, vnodes: int = DEFAULT_VNODES) -> None:
         self.ring = HashRing(vnodes=vnodes)
+        self._synced: tuple[Worker, ...] = ()
+        self.by_url: dict[str, Worker] = {}  # the synced candidates; the first of a URL wins
 
     def sync(self, workers: Sequence[Worker]) -> HashRing:
+        candidates = tuple(workers)
+        if candidates == self._synced:  # Workers compare by identity; a URL never changes
+            return self.ring
         wanted = {w.url for w in workers}
         current = self.ring.members
         if wanted != current:
@@ -27,6 +33,10 @@ class SyncedRing:
                 self.ring.remove(url)
             for url in sorted(wanted - current):
                 self.ring.add(url)
+        self._synced = candidates
+        self.by_url = {}
+        for w in reversed(candidates):
+            self.by_url[w.url] = w
         return self.ring
 
 
@@ -50,16 +60,10 @@ class SessionPolicy(RoutingPolicy):
         if not workers or info.session_key is None:
             return least_loaded(workers)
         ring = self._ring.sync(workers)
-        url = ring.bounded_owner(
-            info.session_key, {w.url: w.load for w in workers}, self.load_factor
-        )
-        return _by_url(workers, url)
+        loads = {url: w.load for url, w in self._ring.by_url.items()}
+        return self._ring.by_url.get(ring.bounded_owner(info.session_key, loads, self.load_factor))
 
     def home_worker(self, workers: Sequence[Worker], info: RequestInfo) -> Worker | None:
         if not workers or info.session_key is None:
             return None
-        return _by_url(workers, self._ring.sync(workers).owner(info.session_key))
-
-
-def _by_url(workers: Sequence[Worker], url: str | None) -> Worker | None:
-    return next((w for w in workers if w.url == url), None)
+        return self._ring.by_url.get(self._ring.sync(workers).owner(info.session_key))
