@@ -39,4 +39,4 @@ class PrefixPolicy(RoutingPolicy):
         if not workers or info.prefix_key is None:
             return None
         url = self._ring.sync(workers).owner(info.prefix_key)
-        return self._ring.by_url.get(url)
+        return self._ring.worker(url)

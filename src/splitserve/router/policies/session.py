@@ -20,7 +20,7 @@ class SyncedRing:
     def __init__(self, vnodes: int = DEFAULT_VNODES) -> None:
         self.ring = HashRing(vnodes=vnodes)
         self._synced: tuple[Worker, ...] = ()
-        self.by_url: dict[str, Worker] = {}  # the synced candidates; the first of a URL wins
+        self._by_url: dict[str, Worker] = {}  # the synced candidates; the first of a URL wins
 
     def sync(self, workers: Sequence[Worker]) -> HashRing:
         candidates = tuple(workers)
@@ -34,10 +34,18 @@ class SyncedRing:
             for url in sorted(wanted - current):
                 self.ring.add(url)
         self._synced = candidates
-        self.by_url = {}
+        self._by_url = {}
         for w in reversed(candidates):
-            self.by_url[w.url] = w
+            self._by_url[w.url] = w
         return self.ring
+
+    def worker(self, url: str | None) -> Worker | None:
+        """The candidate of the last sync at ``url``."""
+        return self._by_url.get(url) if url is not None else None
+
+    def loads(self) -> dict[str, int]:
+        """The last sync's candidates' loads, by URL."""
+        return {url: w.load for url, w in self._by_url.items()}
 
 
 class SessionPolicy(RoutingPolicy):
@@ -60,10 +68,11 @@ class SessionPolicy(RoutingPolicy):
         if not workers or info.session_key is None:
             return least_loaded(workers)
         ring = self._ring.sync(workers)
-        loads = {url: w.load for url, w in self._ring.by_url.items()}
-        return self._ring.by_url.get(ring.bounded_owner(info.session_key, loads, self.load_factor))
+        url = ring.bounded_owner(info.session_key, self._ring.loads(), self.load_factor)
+        return self._ring.worker(url)
 
     def home_worker(self, workers: Sequence[Worker], info: RequestInfo) -> Worker | None:
         if not workers or info.session_key is None:
             return None
-        return self._ring.by_url.get(self._ring.sync(workers).owner(info.session_key))
+        url = self._ring.sync(workers).owner(info.session_key)
+        return self._ring.worker(url)
