@@ -33,3 +33,9 @@ def test_empties_and_refills():
     q.append(1)
     q.appendleft(0)
     assert list(q) == [0, 1]
+
+
+def test_pop_head_takes_the_first_in_line():
+    q = FreeQueue(3)
+    q.move_to_front(2)
+    assert q.pop_head() == 2 and q.pop_head() == 0 and list(q) == [1]

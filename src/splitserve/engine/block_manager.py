@@ -170,8 +170,7 @@ class BlockManager:
     def allocate(self, seq: Sequence, match: PrefixMatch) -> None:
         """Give a waiting ``seq`` the matched cached blocks; its computation starts after them."""
         assert not seq.block_table, f"{seq.request_id} already holds blocks"
-        for block_id in match.block_ids:
-            self._take(block_id)
+        self._take(match.block_ids)
         seq.block_table = list(match.block_ids)
         seq.block_hashes = list(match.hashes)
         seq.num_computed_tokens = match.num_blocks * self.block_size
@@ -181,13 +180,11 @@ class BlockManager:
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow ``seq``'s block table to hold ``num_new_tokens`` more computed tokens."""
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        while len(seq.block_table) < needed:
-            if not self._free:
-                raise RuntimeError("out of KV blocks: call can_append first")
-            block_id = self._free.head()
-            self._evict(block_id)
-            self._take(block_id)
-            seq.block_table.append(block_id)
+        table = seq.block_table
+        if needed - len(table) > len(self._free):
+            raise RuntimeError("out of KV blocks: call can_append first")
+        while len(table) < needed:
+            table.append(self._take_head())
 
     def cache_full_blocks(self, seq: Sequence) -> list[tuple[int, BlockHash]]:
         """Register every newly completed block of ``seq`` in the prefix cache; returns the
@@ -237,13 +234,7 @@ class BlockManager:
         or ``None`` if there are not enough. Each comes back with ``register`` or ``release``."""
         if num_blocks > len(self._free):
             return None
-        block_ids = []
-        for _ in range(num_blocks):
-            block_id = self._free.head()
-            self._evict(block_id)
-            self._take(block_id)
-            block_ids.append(block_id)
-        return block_ids
+        return [self._take_head() for _ in range(num_blocks)]
 
     def register(
         self,
@@ -266,8 +257,7 @@ class BlockManager:
     def acquire(self, block_ids: list[int]) -> None:
         """Add one reference to each block (a pin, or a copy in flight that must not see the
         block reused); undone by ``release``."""
-        for block_id in block_ids:
-            self._take(block_id)
+        self._take(block_ids)
 
     def demote(self, block_ids: list[int]) -> None:
         """Move those of ``block_ids`` that are free to the head of the eviction queue."""
@@ -292,10 +282,20 @@ class BlockManager:
         for block_id in self._free:
             self._evict(block_id)
 
-    def _take(self, block_id: int) -> None:
-        if self._ref[block_id] == 0:
-            self._free.remove(block_id)
-        self._ref[block_id] += 1
+    def _take(self, block_ids: list[int]) -> None:
+        ref, free = self._ref, self._free
+        for block_id in block_ids:
+            if ref[block_id] == 0:
+                free.remove(block_id)
+            ref[block_id] += 1
+
+    def _take_head(self) -> int:
+        """The block first in line for eviction, evicted and taken."""
+        block_id = self._free.pop_head()
+        if self._hash[block_id] is not None:
+            self._evict(block_id)
+        self._ref[block_id] = 1
+        return block_id
 
     def _evict(self, block_id: int) -> None:
         h = self._hash[block_id]

@@ -46,6 +46,12 @@ class FreeQueue:
         """The block to evict next; the queue must not be empty."""
         return self._next[self._end]
 
+    def pop_head(self) -> int:
+        """Take out and return the head; the queue must not be empty."""
+        block_id = self._next[self._end]
+        self.remove(block_id)
+        return block_id
+
     def remove(self, block_id: int) -> None:
         nxt, prev = self._next, self._prev
         before, after = prev[block_id], nxt[block_id]
