@@ -178,3 +178,25 @@ def test_load_follows_in_flight_and_reports():
     assert w.load == 2 + 3
     w.in_flight -= 2
     assert w.load == 3
+
+
+def test_a_watched_load_map_follows_the_worker_until_unwatched():
+    w, loads = Worker("http://x"), {}
+    w.watch(loads)
+    assert loads == {"http://x": 0}
+    w.in_flight += 1
+    w.report = LoadReport(waiting=2)
+    assert loads == {"http://x": 3}
+    w.unwatch(loads)
+    w.in_flight -= 1
+    assert loads == {"http://x": 3} and w.load == 2
+
+
+def test_prefix_policy_sees_load_changes_between_calls_on_the_same_candidates():
+    policy, workers = make_policy("prefix"), pool(0, 0, 0)
+    info = RequestInfo(prefix_key="system-a")
+    owner = policy.select_worker(workers, info)
+    owner.in_flight += 1  # no longer among the least loaded: the next tied one takes it
+    assert policy.select_worker(workers, info) is not owner
+    owner.in_flight -= 1
+    assert policy.select_worker(workers, info) is owner

@@ -30,10 +30,20 @@ class Worker:
     """One worker. ``url`` is its identity: normalized so that replicas agree on it.
 
     Workers compare by identity. ``load`` is kept up to date as ``in_flight``, ``report``
-    and ``report_own`` change, so that a policy reads it at the cost of an attribute.
+    and ``report_own`` change, and so is every load map the worker was asked to ``watch``
+    (a policy's view of its candidates): policies never sum loads worker by worker.
     """
 
-    __slots__ = ("url", "role", "healthy", "_report", "_in_flight", "_report_own", "_load")
+    __slots__ = (
+        "url",
+        "role",
+        "healthy",
+        "_report",
+        "_in_flight",
+        "_report_own",
+        "_load",
+        "_watchers",
+    )
 
     def __init__(
         self,
@@ -52,6 +62,7 @@ class Worker:
         self._report = report if report is not None else LoadReport()
         self._in_flight = in_flight
         self._report_own = report_own
+        self._watchers: list[dict[str, int]] = []
         self._update_load()
 
     def __repr__(self) -> str:
@@ -68,9 +79,19 @@ class Worker:
         """
         return self._load
 
+    def watch(self, loads: dict[str, int]) -> None:
+        """Keep ``loads[self.url]`` equal to this worker's load until ``unwatch``."""
+        self._watchers.append(loads)
+        loads[self.url] = self._load
+
+    def unwatch(self, loads: dict[str, int]) -> None:
+        self._watchers = [w for w in self._watchers if w is not loads]
+
     def _update_load(self) -> None:
         others = self._report.running + self._report.waiting - self._report_own
-        self._load = self._in_flight + max(0, others)
+        self._load = load = self._in_flight + max(0, others)
+        for loads in self._watchers:
+            loads[self.url] = load
 
     @property
     def in_flight(self) -> int:

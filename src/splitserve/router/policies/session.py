@@ -14,13 +14,15 @@ class SyncedRing:
 
     The ring's points depend only on its members, never on the order they joined, so two
     routers that see the same healthy workers place every key the same way. Candidates are
-    usually the same workers call after call: then syncing costs one comparison.
+    usually the same workers call after call: then syncing costs one comparison, and their
+    loads, by URL, are kept current by the workers themselves (``Worker.watch``).
     """
 
     def __init__(self, vnodes: int = DEFAULT_VNODES) -> None:
         self.ring = HashRing(vnodes=vnodes)
         self._synced: tuple[Worker, ...] = ()
         self._by_url: dict[str, Worker] = {}  # the synced candidates; the first of a URL wins
+        self.loads: dict[str, int] = {}  # their loads; replaced (not cleared) at each resync
 
     def sync(self, workers: Sequence[Worker]) -> HashRing:
         candidates = tuple(workers)
@@ -34,18 +36,18 @@ class SyncedRing:
             for url in sorted(wanted - current):
                 self.ring.add(url)
         self._synced = candidates
-        self._by_url = {}
+        for w in self._by_url.values():
+            w.unwatch(self.loads)
+        self._by_url, self.loads = {}, {}
         for w in reversed(candidates):
             self._by_url[w.url] = w
+        for w in self._by_url.values():
+            w.watch(self.loads)
         return self.ring
 
     def worker(self, url: str | None) -> Worker | None:
         """The candidate of the last sync at ``url``."""
         return self._by_url.get(url) if url is not None else None
-
-    def loads(self) -> dict[str, int]:
-        """The last sync's candidates' loads, by URL."""
-        return {url: w.load for url, w in self._by_url.items()}
 
 
 class SessionPolicy(RoutingPolicy):
@@ -68,7 +70,7 @@ class SessionPolicy(RoutingPolicy):
         if not workers or info.session_key is None:
             return least_loaded(workers)
         ring = self._ring.sync(workers)
-        url = ring.bounded_owner(info.session_key, self._ring.loads(), self.load_factor)
+        url = ring.bounded_owner(info.session_key, self._ring.loads, self.load_factor)
         return self._ring.worker(url)
 
     def home_worker(self, workers: Sequence[Worker], info: RequestInfo) -> Worker | None:
