@@ -136,14 +136,20 @@ class BlockManager:
         """
         max_blocks = self.reusable_blocks(seq.num_tokens)
         chain = self.chain(seq, max_blocks)
+        block_ids = self.cached_chain(chain, max_blocks)
+        return PrefixMatch(block_ids, chain.hashes[: len(block_ids)])
+
+    def cached_chain(self, chain: BlockChain, num_blocks: int) -> list[int]:
+        """The blocks holding the leading cached part of ``chain``'s first ``num_blocks``
+        blocks (tokens checked)."""
         cached, stored = self._cached, self._tokens
         block_ids: list[int] = []
-        for h, tokens in zip(chain.hashes[:max_blocks], chain.tokens[:max_blocks], strict=True):
+        for h, tokens in zip(chain.hashes[:num_blocks], chain.tokens[:num_blocks], strict=True):
             block_id = cached.get(h)
             if block_id is None or stored[block_id] != tokens:
                 break
             block_ids.append(block_id)
-        return PrefixMatch(block_ids, chain.hashes[: len(block_ids)])
+        return block_ids
 
     def chain(self, seq: Sequence, num_blocks: int) -> BlockChain:
         """``seq``'s hash chain, covering at least its first ``num_blocks`` full blocks."""

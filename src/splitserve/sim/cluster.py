@@ -328,7 +328,7 @@ class Cluster:
         real decode worker's, each of its engine calls waits for its own step boundary."""
         bm = d.engine.block_manager
         usable = bm.reusable_blocks(len(req.prompt))
-        hits = bm.cached_prefix(kept.block_hashes[:usable], req.prompt)
+        hits = len(bm.cached_chain(bm.chain(kept, usable), usable))
         self._on_engine(d, lambda: self._pull(req, p, d, kept, hits))
 
     def _pull(self, req: _Request, p: SimWorker, d: SimWorker, kept: Sequence, hits: int) -> None:
