@@ -38,8 +38,8 @@ def main() -> None:
     dep = Deployment(prefill=workers // 4, decode=workers - workers // 4, tp=args.tp)
     cfg = SimConfig(get_model(args.model), get_hardware("h100"), block_size=args.block_size)
     rate = args.rate_per_gpu * args.gpus
-    print(f"{dep.describe()}, {args.model} on h100, block {args.block_size}; agentic at {rate:g}")
-    print(f"sessions/s, {args.sessions} sessions")
+    print(f"{dep.describe()}, {args.model} on h100, block {args.block_size};")
+    print(f"agentic at {rate:g} sessions/s, {args.sessions} sessions")
     t0 = time.perf_counter()
     cluster = Cluster(cfg, dep)
     built = time.perf_counter() - t0
@@ -58,8 +58,9 @@ def main() -> None:
     events = sum(w.steps for w in cluster.workers)
     print(f"build {built:.1f} s; run {wall:.1f} s ({cpu:.1f} s of CPU) for {n} requests ({ok} ok),")
     print(f"{cluster.now:.0f} s simulated, {events} engine events")
-    print(f"{n / wall:.0f} requests/s ({n / cpu:.0f} per CPU second), {1e6 * wall / n:.0f} us")
-    print(f"per request ({blocks:.0f} prompt blocks looked up per request)")
+    per_request = 1e6 * wall / n
+    print(f"{n / wall:.0f} requests/s ({n / cpu:.0f} per CPU second), {per_request:.0f} us each;")
+    print(f"{blocks:.0f} prompt blocks looked up per request")
     print(f"projected 1M requests: {built + wall * 1e6 / n:.0f} s (goal <= 120 s)")
 
 
