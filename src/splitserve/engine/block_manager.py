@@ -48,6 +48,8 @@ class Block:
 
 
 class _Blocks:
+    """``bm.blocks[i]``: a ``Block`` view made on demand (for inspection and tests)."""
+
     def __init__(self, bm: BlockManager) -> None:
         self._bm = bm
 
