@@ -3,7 +3,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from splitserve.common.kv_hash import block_hash, hash_blocks, root_hash
+from splitserve.common.kv_hash import BlockChain, block_hash, hash_blocks, root_hash
 
 TOKENS = list(range(100, 150))  # 3 full blocks of 16 and a partial one
 
@@ -77,3 +77,15 @@ def test_block_hash_value_is_pinned():
 
 
 PINNED = "f1c306ffd26aa4d218bdb75a3bb12a0c"
+
+
+def test_block_chain_hashes_each_block_once_and_extends_in_steps():
+    chain = BlockChain(root_hash("m"), 16)
+    chain.extend(TOKENS, 1)
+    first = chain.hashes[0]
+    chain.extend(TOKENS, 3)  # continues from block 1: block 0 is not hashed again
+    assert chain.hashes[0] is first
+    assert chain.hashes == hash_blocks(TOKENS, root_hash("m"), 16)
+    assert chain.tokens == [tuple(TOKENS[i * 16 : (i + 1) * 16]) for i in range(3)]
+    chain.extend(TOKENS, 2)  # already covered: nothing changes
+    assert len(chain) == 3

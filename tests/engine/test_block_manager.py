@@ -176,3 +176,30 @@ def test_register_from_a_later_block():
     reserved = bm.reserve(2)
     bm.register(reserved, hashes[1:], tokens, start_block=1)
     assert bm.cached_prefix(hashes, tokens) == 3
+
+
+def test_a_chain_carried_from_an_earlier_turn_matches_like_a_fresh_one():
+    # The simulator hands a session's next turn the chain its previous turn grew; matching
+    # and caching with it must give exactly what hashing from scratch gives.
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    first = make_seq(list(range(10)), "t0")
+    admit(bm, first)
+    turn = list(range(10)) + [70, 71, 72, 73, 74, 75]
+    carried = Sequence("t1", list(turn), SamplingParams(), ROOT, chain=first.chain)
+    fresh = make_seq(turn, "fresh")
+    assert bm.match_prefix(carried) == bm.match_prefix(fresh)
+    assert carried.chain is first.chain
+    admit(bm, carried)
+    assert carried.block_hashes == hash_blocks(turn, ROOT, BS)
+
+
+def test_a_chain_of_another_block_size_or_root_is_replaced():
+    other = BlockManager(num_blocks=8, block_size=2 * BS)
+    seq = make_seq(list(range(20)), "a")
+    other.match_prefix(seq)
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    admit(bm, seq)
+    assert seq.block_hashes == hash_blocks(seq.token_ids, ROOT, BS)
+    salted = make_seq(list(range(20)), "b", root=root_hash("test-model", "tenant"))
+    salted.chain = seq.chain
+    assert bm.match_prefix(salted).block_ids == []

@@ -151,3 +151,52 @@ def test_stale_report_of_own_finished_request_does_not_push_a_session_away():
 def test_load_counts_other_routers_requests_once():
     w = Worker("http://x", report=LoadReport(running=3, waiting=1), report_own=1, in_flight=2)
     assert w.load == 2 + 3  # own now + others (4 reported - 1 own)
+
+
+@pytest.mark.parametrize("name", ["session", "prefix"])
+def test_ring_follows_candidates_that_change_between_calls(name):
+    # The ring skips its resync while the candidates are the same workers; a worker that
+    # leaves, comes back, or is replaced by a new object under its URL must still count.
+    policy, workers = make_policy(name), pool(0, 0, 0)
+    info = RequestInfo(session_key="agent-1", prefix_key="agent-1")
+    home = policy.home_worker(workers, info)
+    rest = [w for w in workers if w is not home]
+    assert policy.select_worker(rest, info) in rest
+    assert policy.home_worker(rest, info) in rest
+    assert policy.home_worker(workers, info) is home
+    replaced = [Worker(w.url, "decode") if w is home else w for w in workers]
+    assert policy.home_worker(replaced, info).url == home.url
+    assert policy.home_worker(replaced, info) is not home
+
+
+def test_load_follows_in_flight_and_reports():
+    w = Worker("http://x")
+    w.in_flight += 2
+    assert w.load == 2
+    w.report = LoadReport(running=4)
+    w.report_own = 1
+    assert w.load == 2 + 3
+    w.in_flight -= 2
+    assert w.load == 3
+
+
+def test_a_watched_load_map_follows_the_worker_until_unwatched():
+    w, loads = Worker("http://x"), {}
+    w.watch(loads)
+    assert loads == {"http://x": 0}
+    w.in_flight += 1
+    w.report = LoadReport(waiting=2)
+    assert loads == {"http://x": 3}
+    w.unwatch(loads)
+    w.in_flight -= 1
+    assert loads == {"http://x": 3} and w.load == 2
+
+
+def test_prefix_policy_sees_load_changes_between_calls_on_the_same_candidates():
+    policy, workers = make_policy("prefix"), pool(0, 0, 0)
+    info = RequestInfo(prefix_key="system-a")
+    owner = policy.select_worker(workers, info)
+    owner.in_flight += 1  # no longer among the least loaded: the next tied one takes it
+    assert policy.select_worker(workers, info) is not owner
+    owner.in_flight -= 1
+    assert policy.select_worker(workers, info) is owner

@@ -64,3 +64,34 @@ def hash_blocks(
         parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
     return hashes
+
+
+class BlockChain:
+    """The hashes and tokens of a token stream's leading full blocks, each computed once.
+
+    A sequence carries one so that every lookup and cache registration of its blocks reuses
+    the same hashes; it grows as the stream does. Sequences whose token lists are all
+    prefixes of one stream (the turns of a session) may share one chain.
+    """
+
+    __slots__ = ("root", "block_size", "hashes", "tokens")
+
+    def __init__(self, root: BlockHash, block_size: int) -> None:
+        self.root = root
+        self.block_size = block_size
+        self.hashes: list[BlockHash] = []
+        self.tokens: list[tuple[int, ...]] = []  # each block's tokens, for collision checks
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def extend(self, token_ids: Sequence[int], num_blocks: int) -> None:
+        """Cover the first ``num_blocks`` full blocks of ``token_ids``, a continuation of
+        the stream hashed so far."""
+        bs, hashes, tokens = self.block_size, self.hashes, self.tokens
+        parent = hashes[-1] if hashes else self.root
+        for i in range(len(hashes), num_blocks):
+            block = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent = block_hash(parent, block)
+            hashes.append(parent)
+            tokens.append(block)

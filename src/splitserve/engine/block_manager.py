@@ -12,21 +12,54 @@ head of the queue so that cached ones are evicted last, oldest first.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from splitserve.common.kv_hash import BlockHash, block_hash
+from splitserve.common.kv_hash import BlockChain, BlockHash
+from splitserve.engine.free_queue import FreeQueue
 from splitserve.engine.sequence import Sequence
 
 
-@dataclass(slots=True)
 class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: BlockHash | None = None
-    token_ids: tuple[int, ...] = field(default=())  # kept to rule out hash collisions
+    """A view of one block's state; the manager keeps that state in flat lists, one entry
+    per block (a simulated cluster holds 10^7 blocks: an object each is seconds to build)."""
+
+    __slots__ = ("_bm", "block_id")
+
+    def __init__(self, bm: BlockManager, block_id: int) -> None:
+        self._bm, self.block_id = bm, block_id
+
+    @property
+    def ref_count(self) -> int:
+        return self._bm._ref[self.block_id]
+
+    @property
+    def hash(self) -> BlockHash | None:
+        return self._bm._hash[self.block_id]
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The block's tokens, kept to rule out hash collisions."""
+        return self._bm._tokens[self.block_id]
+
+    @token_ids.setter
+    def token_ids(self, tokens: tuple[int, ...]) -> None:
+        self._bm._tokens[self.block_id] = tokens
+
+
+class _Blocks:
+    """``bm.blocks[i]``: a ``Block`` view made on demand (for inspection and tests)."""
+
+    def __init__(self, bm: BlockManager) -> None:
+        self._bm = bm
+
+    def __len__(self) -> int:
+        return len(self._bm._ref)
+
+    def __getitem__(self, block_id: int) -> Block:
+        if not 0 <= block_id < len(self):
+            raise IndexError(block_id)
+        return Block(self._bm, block_id)
 
 
 class PrefixMatch(NamedTuple):
@@ -53,8 +86,11 @@ class BlockManager:
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
             )
         self.block_size = block_size
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._ref = [0] * num_blocks
+        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._tokens: list[tuple[int, ...]] = [()] * num_blocks
+        self.blocks = _Blocks(self)
+        self._free = FreeQueue(num_blocks)
         self._cached: dict[BlockHash, int] = {}
         self.prefix_queries = 0  # blocks looked up on admission
         self.prefix_hits = 0  # of which served from the cache
@@ -64,7 +100,7 @@ class BlockManager:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return len(self._ref)
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,7 +127,7 @@ class BlockManager:
     def lookup(self, h: BlockHash, tokens: tuple[int, ...]) -> int | None:
         """The block holding KV for ``h``, if cached and its tokens really match."""
         block_id = self._cached.get(h)
-        if block_id is None or self.blocks[block_id].token_ids != tokens:
+        if block_id is None or self._tokens[block_id] != tokens:
             return None
         return block_id
 
@@ -100,25 +136,36 @@ class BlockManager:
 
         See ``reusable_blocks`` for why a fully cached prompt still computes its last block.
         """
-        bs = self.block_size
         max_blocks = self.reusable_blocks(seq.num_tokens)
+        chain = self.chain(seq, max_blocks)
+        block_ids = self.cached_chain(chain, max_blocks)
+        return PrefixMatch(block_ids, chain.hashes[: len(block_ids)])
+
+    def cached_chain(self, chain: BlockChain, num_blocks: int) -> list[int]:
+        """The blocks holding the leading cached part of ``chain``'s first ``num_blocks``
+        blocks (tokens checked)."""
+        cached, stored = self._cached, self._tokens
         block_ids: list[int] = []
-        hashes: list[BlockHash] = []
-        parent = seq.root_hash
-        for i in range(max_blocks):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(parent, tokens)
-            block_id = self.lookup(h, tokens)
-            if block_id is None:
+        for h, tokens in zip(chain.hashes[:num_blocks], chain.tokens[:num_blocks], strict=True):
+            block_id = cached.get(h)
+            if block_id is None or stored[block_id] != tokens:
                 break
             block_ids.append(block_id)
-            hashes.append(h)
-            parent = h
-        return PrefixMatch(block_ids, hashes)
+        return block_ids
+
+    def chain(self, seq: Sequence, num_blocks: int) -> BlockChain:
+        """``seq``'s hash chain, covering at least its first ``num_blocks`` full blocks."""
+        chain = seq.chain
+        if chain is None or chain.block_size != self.block_size or chain.root != seq.root_hash:
+            chain = seq.chain = BlockChain(seq.root_hash, self.block_size)
+        if len(chain) < num_blocks:
+            chain.extend(seq.token_ids, num_blocks)
+        return chain
 
     def can_allocate(self, match: PrefixMatch, num_new_tokens: int, seq: Sequence) -> bool:
         """Whether ``seq`` can start with ``match`` reused plus ``num_new_tokens`` computed."""
-        matched_free = sum(1 for b in match.block_ids if self.blocks[b].ref_count == 0)
+        ref = self._ref
+        matched_free = sum(1 for b in match.block_ids if ref[b] == 0)
         needed = self.blocks_needed(match.num_blocks * self.block_size + num_new_tokens)
         return needed - match.num_blocks + matched_free <= self.num_free_blocks
 
@@ -131,8 +178,7 @@ class BlockManager:
     def allocate(self, seq: Sequence, match: PrefixMatch) -> None:
         """Give a waiting ``seq`` the matched cached blocks; its computation starts after them."""
         assert not seq.block_table, f"{seq.request_id} already holds blocks"
-        for block_id in match.block_ids:
-            self._take(block_id)
+        self._take(match.block_ids)
         seq.block_table = list(match.block_ids)
         seq.block_hashes = list(match.hashes)
         seq.num_computed_tokens = match.num_blocks * self.block_size
@@ -142,32 +188,29 @@ class BlockManager:
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow ``seq``'s block table to hold ``num_new_tokens`` more computed tokens."""
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        while len(seq.block_table) < needed:
-            if not self._free:
-                raise RuntimeError("out of KV blocks: call can_append first")
-            block_id = next(iter(self._free))
-            self._evict(block_id)
-            self._take(block_id)
-            seq.block_table.append(block_id)
+        table = seq.block_table
+        if needed - len(table) > len(self._free):
+            raise RuntimeError("out of KV blocks: call can_append first")
+        while len(table) < needed:
+            table.append(self._take_head())
 
     def cache_full_blocks(self, seq: Sequence) -> list[tuple[int, BlockHash]]:
         """Register every newly completed block of ``seq`` in the prefix cache; returns the
         (block id, hash) pairs it published."""
         published: list[tuple[int, BlockHash]] = []
-        bs = self.block_size
-        num_full = seq.num_computed_tokens // bs
-        parent = seq.block_hashes[-1] if seq.block_hashes else seq.root_hash
-        for i in range(len(seq.block_hashes), num_full):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(parent, tokens)
-            seq.block_hashes.append(h)
-            parent = h
-            block = self.blocks[seq.block_table[i]]
+        start, num_full = len(seq.block_hashes), seq.num_computed_tokens // self.block_size
+        if num_full <= start:
+            return published
+        chain = self.chain(seq, num_full)
+        seq.block_hashes.extend(chain.hashes[start:num_full])
+        cached, stored_hash, table = self._cached, self._hash, seq.block_table
+        for i in range(start, num_full):
+            h, block_id = chain.hashes[i], table[i]
             # Another sequence may have computed the same block first; keep the first one.
-            if h not in self._cached and block.hash is None:
-                block.hash, block.token_ids = h, tokens
-                self._cached[h] = block.block_id
-                published.append((block.block_id, h))
+            if h not in cached and stored_hash[block_id] is None:
+                stored_hash[block_id], self._tokens[block_id] = h, chain.tokens[i]
+                cached[h] = block_id
+                published.append((block_id, h))
         return published
 
     def free(self, seq: Sequence) -> None:
@@ -199,13 +242,7 @@ class BlockManager:
         or ``None`` if there are not enough. Each comes back with ``register`` or ``release``."""
         if num_blocks > len(self._free):
             return None
-        block_ids = []
-        for _ in range(num_blocks):
-            block_id = next(iter(self._free))
-            self._evict(block_id)
-            self._take(block_id)
-            block_ids.append(block_id)
-        return block_ids
+        return [self._take_head() for _ in range(num_blocks)]
 
     def register(
         self,
@@ -219,49 +256,59 @@ class BlockManager:
         release them into the prefix cache."""
         bs = self.block_size
         for i, (block_id, h) in enumerate(zip(block_ids, hashes, strict=True), start_block):
-            block = self.blocks[block_id]
-            if h not in self._cached and block.hash is None:
-                block.hash, block.token_ids = h, tuple(token_ids[i * bs : (i + 1) * bs])
+            if h not in self._cached and self._hash[block_id] is None:
+                self._hash[block_id] = h
+                self._tokens[block_id] = tuple(token_ids[i * bs : (i + 1) * bs])
                 self._cached[h] = block_id
         self.release(block_ids)
 
     def acquire(self, block_ids: list[int]) -> None:
         """Add one reference to each block (a pin, or a copy in flight that must not see the
         block reused); undone by ``release``."""
-        for block_id in block_ids:
-            self._take(block_id)
+        self._take(block_ids)
 
     def demote(self, block_ids: list[int]) -> None:
         """Move those of ``block_ids`` that are free to the head of the eviction queue."""
         for block_id in reversed(block_ids):
             if block_id in self._free:
-                self._free.move_to_end(block_id, last=False)
+                self._free.move_to_front(block_id)
 
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference from each block (a reservation or a lease)."""
+        ref, free = self._ref, self._free
         for block_id in reversed(block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} released twice"
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.hash is None:
-                    self._free.move_to_end(block_id, last=False)
+            count = ref[block_id] - 1
+            assert count >= 0, f"block {block_id} released twice"
+            ref[block_id] = count
+            if count == 0:
+                if self._hash[block_id] is None:
+                    free.appendleft(block_id)
+                else:
+                    free.append(block_id)
 
     def reset_prefix_cache(self) -> None:
         for block_id in self._free:
             self._evict(block_id)
 
-    def _take(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self._free[block_id]
-        block.ref_count += 1
+    def _take(self, block_ids: list[int]) -> None:
+        ref, free = self._ref, self._free
+        for block_id in block_ids:
+            if ref[block_id] == 0:
+                free.remove(block_id)
+            ref[block_id] += 1
+
+    def _take_head(self) -> int:
+        """The block first in line for eviction, evicted and taken."""
+        block_id = self._free.pop_head()
+        if self._hash[block_id] is not None:
+            self._evict(block_id)
+        self._ref[block_id] = 1
+        return block_id
 
     def _evict(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.hash is not None:
-            del self._cached[block.hash]
+        h = self._hash[block_id]
+        if h is not None:
+            del self._cached[h]
             if self.on_evict is not None:
-                self.on_evict(block.hash)
-            block.hash, block.token_ids = None, ()
+                self.on_evict(h)
+            self._hash[block_id], self._tokens[block_id] = None, ()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from splitserve.common.kv_hash import BlockHash
+from splitserve.common.kv_hash import BlockChain, BlockHash
 from splitserve.common.sampling_params import SamplingParams
 
 
@@ -44,6 +44,9 @@ class Sequence:
     retention_s: float | None = None
     session_id: str | None = None
     tier_checked: bool = False  # lower tiers were consulted once; never load twice
+    # The full blocks' hashes, computed once for every lookup and registration; a caller
+    # may pass a chain it already has (a session's previous turn), see ``BlockChain``.
+    chain: BlockChain | None = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from splitserve.common.protocol import WORKER_ROLES as ROLES
 
@@ -26,21 +26,47 @@ class LoadReport:
         return cls(*(count(n) for n in ("running", "waiting", "kv_blocks_used", "kv_blocks_total")))
 
 
-@dataclass(slots=True, eq=False)
 class Worker:
-    """One worker. ``url`` is its identity: normalized so that replicas agree on it."""
+    """One worker. ``url`` is its identity: normalized so that replicas agree on it.
 
-    url: str
-    role: str = "both"
-    healthy: bool = True
-    report: LoadReport = field(default_factory=LoadReport)
-    in_flight: int = 0  # requests this router has sent there and not yet seen finish
-    report_own: int = 0  # of ``report``'s requests, how many were this router's own
+    Workers compare by identity. ``load`` is kept up to date as ``in_flight``, ``report``
+    and ``report_own`` change, and so is every load map the worker was asked to ``watch``
+    (a policy's view of its candidates): policies never sum loads worker by worker.
+    """
 
-    def __post_init__(self) -> None:
-        self.url = normalize_url(self.url)
-        if self.role not in ROLES:
-            raise ValueError(f"worker role must be one of {ROLES}, got {self.role!r}")
+    __slots__ = (
+        "url",
+        "role",
+        "healthy",
+        "_report",
+        "_in_flight",
+        "_report_own",
+        "_load",
+        "_watchers",
+    )
+
+    def __init__(
+        self,
+        url: str,
+        role: str = "both",
+        healthy: bool = True,
+        report: LoadReport | None = None,
+        in_flight: int = 0,  # requests this router has sent there and not yet seen finish
+        report_own: int = 0,  # of ``report``'s requests, how many were this router's own
+    ) -> None:
+        self.url = normalize_url(url)
+        if role not in ROLES:
+            raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
+        self.role = role
+        self.healthy = healthy
+        self._report = report if report is not None else LoadReport()
+        self._in_flight = in_flight
+        self._report_own = report_own
+        self._watchers: list[dict[str, int]] = []
+        self._update_load()
+
+    def __repr__(self) -> str:
+        return f"Worker({self.url!r}, {self.role!r}, load={self._load})"
 
     @property
     def load(self) -> int:
@@ -51,8 +77,48 @@ class Worker:
         interval. The report's own share is subtracted: counting a request that has since
         finished would make a sequential session look like load and push it off its home.
         """
-        others = self.report.running + self.report.waiting - self.report_own
-        return self.in_flight + max(0, others)
+        return self._load
+
+    def watch(self, loads: dict[str, int]) -> None:
+        """Keep ``loads[self.url]`` equal to this worker's load until ``unwatch``."""
+        self._watchers.append(loads)
+        loads[self.url] = self._load
+
+    def unwatch(self, loads: dict[str, int]) -> None:
+        self._watchers = [w for w in self._watchers if w is not loads]
+
+    def _update_load(self) -> None:
+        others = self._report.running + self._report.waiting - self._report_own
+        self._load = load = self._in_flight + max(0, others)
+        for loads in self._watchers:
+            loads[self.url] = load
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @in_flight.setter
+    def in_flight(self, value: int) -> None:
+        self._in_flight = value
+        self._update_load()
+
+    @property
+    def report(self) -> LoadReport:
+        return self._report
+
+    @report.setter
+    def report(self, value: LoadReport) -> None:
+        self._report = value
+        self._update_load()
+
+    @property
+    def report_own(self) -> int:
+        return self._report_own
+
+    @report_own.setter
+    def report_own(self, value: int) -> None:
+        self._report_own = value
+        self._update_load()
 
     def serves(self, role: str) -> bool:
         """Whether this worker can take the ``role`` leg (a collocated worker takes both)."""

@@ -30,13 +30,14 @@ class PrefixPolicy(RoutingPolicy):
     def select_worker(self, workers: Sequence[Worker], info: RequestInfo) -> Worker | None:
         if not workers or info.prefix_key is None:
             return least_loaded(workers)
-        lowest = min(w.load for w in workers)
-        tied = {w.url: w for w in workers if w.load <= lowest + self.slack}
-        url = self._ring.sync(workers).owner(info.prefix_key, lambda u: u in tied)
-        return tied[url] if url is not None else least_loaded(workers)
+        ring = self._ring.sync(workers)
+        loads = self._ring.loads
+        tied = min(loads.values()) + self.slack  # within this of the least loaded: tied
+        url = ring.owner(info.prefix_key, lambda u: loads[u] <= tied)
+        return self._ring.worker(url) if url is not None else least_loaded(workers)
 
     def home_worker(self, workers: Sequence[Worker], info: RequestInfo) -> Worker | None:
         if not workers or info.prefix_key is None:
             return None
         url = self._ring.sync(workers).owner(info.prefix_key)
-        return next((w for w in workers if w.url == url), None)
+        return self._ring.worker(url)

@@ -13,13 +13,21 @@ class SyncedRing:
     """A ring kept equal to the current candidate set.
 
     The ring's points depend only on its members, never on the order they joined, so two
-    routers that see the same healthy workers place every key the same way.
+    routers that see the same healthy workers place every key the same way. Candidates are
+    usually the same workers call after call: then syncing costs one comparison, and their
+    loads, by URL, are kept current by the workers themselves (``Worker.watch``).
     """
 
     def __init__(self, vnodes: int = DEFAULT_VNODES) -> None:
         self.ring = HashRing(vnodes=vnodes)
+        self._synced: tuple[Worker, ...] = ()
+        self._by_url: dict[str, Worker] = {}  # the synced candidates; the first of a URL wins
+        self.loads: dict[str, int] = {}  # their loads; replaced (not cleared) at each resync
 
     def sync(self, workers: Sequence[Worker]) -> HashRing:
+        candidates = tuple(workers)
+        if candidates == self._synced:  # Workers compare by identity; a URL never changes
+            return self.ring
         wanted = {w.url for w in workers}
         current = self.ring.members
         if wanted != current:
@@ -27,7 +35,19 @@ class SyncedRing:
                 self.ring.remove(url)
             for url in sorted(wanted - current):
                 self.ring.add(url)
+        self._synced = candidates
+        for w in self._by_url.values():
+            w.unwatch(self.loads)
+        self._by_url, self.loads = {}, {}
+        for w in reversed(candidates):
+            self._by_url[w.url] = w
+        for w in self._by_url.values():
+            w.watch(self.loads)
         return self.ring
+
+    def worker(self, url: str | None) -> Worker | None:
+        """The candidate of the last sync at ``url``."""
+        return self._by_url.get(url) if url is not None else None
 
 
 class SessionPolicy(RoutingPolicy):
@@ -50,16 +70,11 @@ class SessionPolicy(RoutingPolicy):
         if not workers or info.session_key is None:
             return least_loaded(workers)
         ring = self._ring.sync(workers)
-        url = ring.bounded_owner(
-            info.session_key, {w.url: w.load for w in workers}, self.load_factor
-        )
-        return _by_url(workers, url)
+        url = ring.bounded_owner(info.session_key, self._ring.loads, self.load_factor)
+        return self._ring.worker(url)
 
     def home_worker(self, workers: Sequence[Worker], info: RequestInfo) -> Worker | None:
         if not workers or info.session_key is None:
             return None
-        return _by_url(workers, self._ring.sync(workers).owner(info.session_key))
-
-
-def _by_url(workers: Sequence[Worker], url: str | None) -> Worker | None:
-    return next((w for w in workers if w.url == url), None)
+        url = self._ring.sync(workers).owner(info.session_key)
+        return self._ring.worker(url)

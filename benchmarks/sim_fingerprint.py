@@ -1,0 +1,101 @@
+"""A fingerprint of what the simulator computes: run it before and after a change that must
+not change results (a speed-up); the hashes must be equal.
+
+Seven fixed runs cover the paths a speed-up can break: disaggregated at 16- and 64-token
+blocks, a small pool with preemptions and KV-pull fallbacks, collocated round-robin,
+least-loaded, ``exact=True`` and the prefix policy on decode. Each hash covers every
+record (TTFT, E2E, inter-token gaps, cached tokens, errors), every worker's counters and
+the cluster's stats.
+
+    .venv/bin/python benchmarks/sim_fingerprint.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+from splitserve.bench.workloads import AgenticConfig, RandomConfig
+from splitserve.sim.cluster import Cluster
+from splitserve.sim.deployment import Deployment, SimConfig
+from splitserve.sim.hardware import get_hardware
+from splitserve.sim.models import get_model
+
+
+def fingerprint(config: SimConfig, deployment: Deployment, sessions, limit: int) -> tuple[str, int]:
+    cluster = Cluster(config, deployment)
+    records = cluster.run(sessions, limit=limit)
+    h = hashlib.sha256()
+    for r in records:
+        timing = (r.start_s, r.ttft_s, r.itl_s, r.e2e_s)
+        h.update(repr((r.session_id, r.turn, r.ok, r.prompt_tokens, r.output_tokens)).encode())
+        h.update(repr((r.cached_tokens, r.error) + timing).encode())
+    for w in cluster.workers:
+        bm, sched = w.engine.block_manager, w.engine.scheduler
+        h.update(repr((w.name, w.steps, w.busy_s, bm.prefix_queries, bm.prefix_hits)).encode())
+        h.update(repr((sched.num_preemptions, bm.num_free_blocks, bm.num_cached_blocks)).encode())
+    h.update(repr((cluster.stats, cluster.now)).encode())
+    return h.hexdigest()[:16], len(records)
+
+
+def cases() -> list[tuple]:
+    model, hw = get_model("llama3-70b"), get_hardware("h100")
+
+    def config(**options) -> SimConfig:
+        return SimConfig(model, hw, **options)
+
+    def busy():
+        return AgenticConfig().sessions(100.0)
+
+    def light():
+        return AgenticConfig().sessions(20.0)
+
+    def single():
+        return RandomConfig().sessions(10.0)
+
+    large = Deployment(31, 94, tp=8)
+    least = dict(policy="least-loaded", prefill_policy="least-loaded")
+    return [
+        ("31P:94D, block 16", config(block_size=16), large, busy, 1500),
+        ("31P:94D, block 64", config(block_size=64), large, busy, 1500),
+        (
+            "2P:3D, 2 GiB KV",
+            config(kv_cache_gb=2.0, record_itl=True),
+            Deployment(2, 3, tp=8),
+            light,
+            300,
+        ),
+        (
+            "6 collocated, round-robin",
+            config(policy="round-robin", kv_cache_gb=4.0),
+            Deployment(collocated=6, tp=8),
+            light,
+            300,
+        ),
+        (
+            "2P:4D, least-loaded",
+            config(kv_cache_gb=4.0, record_itl=True, **least),
+            Deployment(2, 4, tp=8),
+            light,
+            300,
+        ),
+        ("1P:2D, exact", config(exact=True, kv_cache_gb=1.0), Deployment(1, 2, tp=8), single, 150),
+        (
+            "2P:5D, prefix on decode",
+            config(policy="prefix", kv_cache_gb=4.0),
+            Deployment(2, 5, tp=8),
+            light,
+            300,
+        ),
+    ]
+
+
+def main() -> None:
+    for name, config, deployment, sessions, limit in cases():
+        t0 = time.perf_counter()
+        digest, n = fingerprint(config, deployment, sessions(), limit)
+        print(f"{name:26s} {digest}  ({n} requests, {time.perf_counter() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
