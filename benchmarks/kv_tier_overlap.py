@@ -41,6 +41,7 @@ from splitserve.engine.llm_engine import LLMEngine  # noqa: E402
 DECODERS, DECODER_PROMPT, NEW_TOKENS = 4, 64, 64
 STEADY_STEPS, WARM_STEPS = 40, 5
 GREEDY = SamplingParams(max_tokens=1, temperature=0)
+STALL_S = 900.0  # a request that takes longer is stuck: fail loudly
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,8 +74,11 @@ def make_engine(tier: str, ctx: int, tmp: Path, threads: int) -> LLMEngine:
 
 def run_alone(engine: LLMEngine, request_id: str, prompt: list[int]) -> None:
     engine.add_request(request_id, prompt, GREEDY)
+    deadline = time.monotonic() + STALL_S
     while engine.has_unfinished_requests():
         engine.step()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{request_id} did not finish in {STALL_S:.0f} s")
 
 
 def settle(engine: LLMEngine, tier: str, tmp: Path, blocks: int) -> None:
@@ -120,11 +124,14 @@ def returning_turn(clock: Clock, request_id: str, prompt: list[int], steady_rate
     t0 = time.perf_counter()
     clock.engine.add_request(request_id, prompt, GREEDY)
     steps = []
-    while True:
+    deadline = time.monotonic() + STALL_S
+    while time.monotonic() < deadline:
         start, seconds, decoded, first = clock.step(request_id)
         steps.append((start, seconds, decoded))
         if first:
             break
+    else:
+        raise RuntimeError(f"{request_id} got no token in {STALL_S:.0f} s")
     ttft = time.perf_counter() - t0
     row = {"ttft_s": ttft, "loaded_blocks": sum(n for _, _, n in clock.loads)}
     if clock.loads:
@@ -154,6 +161,7 @@ def measure(engine: LLMEngine, tier: str, ctx: int, rng: random.Random, tmp: Pat
         run_alone(engine, f"first{i}", context)
     pool = engine.block_manager.num_blocks
     filler = tokens(rng, pool * BS - BS)
+    print(f"{tier} {ctx}: filling the pool", file=sys.stderr, flush=True)
     run_alone(engine, "filler", filler)  # the contexts are now only one tier down
     settle(engine, tier, tmp, 2 * ((ctx - 1) // BS) + (len(filler) - 1) // BS)
     if tier == "disk":
