@@ -32,12 +32,13 @@ from tests.transfer.helpers import (
     shm_segments,
 )
 
-TRANSPORTS = ["tcp", "shm"]
+# shm-shared: the prefill side's cache lives in shared memory (the single-copy path).
+TRANSPORTS = ["tcp", "shm", "shm-shared"]
 
 
-def client(transport: str, **config: object):
+def client(kind: str, **config: object):
     cfg = TransferConfig(secret=config.pop("secret", SECRET), **config)  # type: ignore[arg-type]
-    return get_connector(transport, cfg).make_client()
+    return get_connector(kind.partition("-")[0], cfg).make_client()
 
 
 def wait_until(predicate, timeout_s: float = 5.0) -> bool:
@@ -80,7 +81,10 @@ def test_wrong_secret_is_refused_and_right_secret_admitted(make_peer, transport:
     assert_blocks_equal(peer.cache, [1, 2, 3], dst, [0, 1, 2])
 
 
-@pytest.mark.parametrize(("transport", "encrypt"), [("tcp", False), ("tcp", True), ("shm", False)])
+@pytest.mark.parametrize(
+    ("transport", "encrypt"),
+    [("tcp", False), ("tcp", True), ("shm", False), ("shm-shared", False)],
+)
 def test_corrupted_block_is_detected_once(make_peer, transport: str, encrypt: bool) -> None:
     peer = make_peer(transport, encrypt=encrypt, fault=FaultInjection(corrupt_block=2))
     plan = plan_all(peer.offer("req-1", [5, 6, 7, 8]))
@@ -98,7 +102,8 @@ def test_connection_cut_mid_transfer(make_peer, shm_prefix: str, transport: str)
     plan = plan_all(peer.offer("req-1", [5, 6, 7, 8]))
     with pytest.raises(ConnectionDropped):
         client(transport).pull(plan, KVCacheBlocks(torch.zeros_like(peer.cache)), [0, 1, 2, 3])
-    assert wait_until(lambda: shm_segments(shm_prefix) == [])
+    cache = [peer.shared.name] if peer.shared else []  # no staging segment left behind
+    assert wait_until(lambda: shm_segments(shm_prefix) == cache)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

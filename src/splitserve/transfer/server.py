@@ -48,11 +48,19 @@ class ThreadedKVServer(KVServer):
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._blocks_served = 0  # counts blocks across the server's life, for corrupt_block
+        self._accepted = 0
 
     @property
     def blocks_served(self) -> int:
         """Blocks sent to decode workers over this server's life."""
         return self._blocks_served
+
+    @property
+    def connections(self) -> tuple[int, int]:
+        """(accepted over the server's life, open now): clients keep connections between
+        pulls, so these stay far below the number of pulls."""
+        with self._lock:
+            return self._accepted, len(self._conns)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -105,6 +113,7 @@ class ThreadedKVServer(KVServer):
                 return
             with self._lock:
                 self._conns.add(conn)
+                self._accepted += 1
             self._spawn(self._handle, f"kv-conn-{peer}", conn, peer)
 
     def _reap_loop(self) -> None:
