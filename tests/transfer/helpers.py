@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -104,3 +105,18 @@ def plan_all(remote: RemoteKV, held: set[bytes] | None = None) -> LoadPlan:
 def assert_blocks_equal(src: torch.Tensor, src_ids, dst: torch.Tensor, dst_ids) -> None:
     for s, d in zip(src_ids, dst_ids, strict=True):
         assert torch.equal(dst[:, :, d], src[:, :, s]), f"block {s} -> {d} differs"
+
+
+def client(kind: str, **config: object):
+    """A client for ``kind`` (a transport name, or ``shm-shared``)."""
+    cfg = TransferConfig(secret=config.pop("secret", SECRET), **config)  # type: ignore[arg-type]
+    return get_connector(kind.partition("-")[0], cfg).make_client()
+
+
+def wait_until(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()

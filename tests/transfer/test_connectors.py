@@ -17,37 +17,22 @@ from splitserve.transfer import (
     LeaseNotFound,
     PeerUnreachable,
     RemoteKV,
-    TransferConfig,
     TransferTimeout,
-    get_connector,
 )
 from splitserve.transfer.kv_pages import KVCacheBlocks
 from tests.transfer.helpers import (
     BLOCK_NBYTES,
-    SECRET,
     assert_blocks_equal,
     chain,
+    client,
     make_cache,
     plan_all,
     shm_segments,
+    wait_until,
 )
 
 # shm-shared: the prefill side's cache lives in shared memory (the single-copy path).
 TRANSPORTS = ["tcp", "shm", "shm-shared"]
-
-
-def client(kind: str, **config: object):
-    cfg = TransferConfig(secret=config.pop("secret", SECRET), **config)  # type: ignore[arg-type]
-    return get_connector(kind.partition("-")[0], cfg).make_client()
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
