@@ -3,6 +3,7 @@ vectored socket IO, and connections kept between pulls. Real sockets, real /dev/
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -157,3 +158,13 @@ def test_vectored_io_survives_partial_sends_and_receives() -> None:
     with pytest.raises(ConnectionDropped):
         receiver.recv_into_parts([memoryview(bytearray(10))])
     receiver.close()
+
+
+def test_shared_cache_larger_than_dev_shm_is_a_clear_error(shm_prefix: str) -> None:
+    fs = os.statvfs("/dev/shm")
+    if fs.f_blocks == 0:
+        pytest.skip("/dev/shm has no size limit")
+    too_big = 2 * fs.f_blocks * fs.f_frsize // 4  # float32 elements; refused up front, not filled
+    with pytest.raises(ValueError, match="lower --kv-cache-gb"):
+        SharedKVCache((too_big,), torch.float32, f"{shm_prefix}cache-")
+    assert shm_segments(shm_prefix) == []

@@ -70,10 +70,11 @@ def _create(name: str, size: int) -> mmap.mmap:
         return mmap.mmap(fd, size)
     except OSError as exc:
         _posixshmem.shm_unlink("/" + name)
-        raise OSError(
-            exc.errno, f"cannot allocate a {size / 2**30:.2f} GiB KV cache in shared memory "
-            f"(/dev/shm): {exc.strerror}; lower --kv-cache-gb or use --kv-transport tcp"
-        ) from exc  # fmt: skip
+        # A ValueError: the fix is in the configuration, and the CLI reports it as such.
+        raise ValueError(
+            f"cannot allocate a {size / 2**30:.2f} GiB KV cache in shared memory (/dev/shm): "
+            f"{exc.strerror}; lower --kv-cache-gb or use --kv-transport tcp"
+        ) from exc
     finally:
         os.close(fd)
 
