@@ -63,11 +63,22 @@ class Frame(NamedTuple):
 
 
 class Channel:
-    """A framed, blocking socket. Socket failures surface as ``KVTransferError`` subclasses."""
+    """A framed, blocking socket. Socket failures surface as ``KVTransferError`` subclasses.
+
+    The timeout lives in the kernel (``SO_RCVTIMEO``/``SO_SNDTIMEO``: no progress for that
+    long), not in Python's timeout mode, which polls and then makes one non-blocking call:
+    every partial read or write would come back to Python, thousands per pull. Blocking, a
+    vectored send or a ``MSG_WAITALL`` read moves a whole block per system call.
+    """
 
     def __init__(self, sock: socket.socket, timeout_s: float | None) -> None:
         self.sock = sock
-        sock.settimeout(timeout_s)
+        sock.settimeout(None)
+        if timeout_s is not None:
+            usec = max(1, round(timeout_s * 1e6))
+            timeval = struct.pack("@ll", usec // 1_000_000, usec % 1_000_000)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         if _is_tcp(sock):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -98,7 +109,11 @@ class Channel:
     def recv_into_parts(self, parts: Sequence[memoryview]) -> None:
         """Fill ``parts`` exactly, in order, with vectored reads (no intermediate copy)."""
         with _socket_errors("receiving"):
-            _vectored(lambda views: self.sock.recvmsg_into(views)[0], parts, "receive")
+            _vectored(
+                lambda views: self.sock.recvmsg_into(views, 0, socket.MSG_WAITALL)[0],
+                parts,
+                "receive",
+            )
 
     def recv_frame(self) -> Frame:
         """Read one frame's header and meta; its payload is left for ``recv_into``."""
@@ -131,7 +146,7 @@ class Channel:
         got, size = 0, view.nbytes
         with _socket_errors("receiving"):
             while got < size:
-                n = self.sock.recv_into(view[got:])
+                n = self.sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
                 if n == 0:
                     raise ConnectionDropped(f"peer closed the connection after {got}/{size} bytes")
                 got += n
@@ -161,7 +176,7 @@ def _socket_errors(doing: str) -> Iterator[None]:
     """Map socket exceptions to transfer errors."""
     try:
         yield
-    except TimeoutError as exc:  # socket.timeout is TimeoutError
+    except (TimeoutError, BlockingIOError) as exc:  # the kernel's timeout gives EAGAIN
         raise TransferTimeout(f"timed out {doing}") from exc
     except OSError as exc:  # ConnectionResetError, BrokenPipeError, ...
         raise ConnectionDropped(f"connection lost while {doing}: {exc}") from exc
