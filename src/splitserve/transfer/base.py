@@ -45,7 +45,7 @@ class TransferConfig:
     encrypt: bool = False
     connect_timeout_s: float = 5.0
     io_timeout_s: float = 30.0
-    chunk_bytes: int = 4 * 2**20
+    chunk_bytes: int = 16 * 2**20
     fault: FaultInjection | None = None
 
     def __post_init__(self) -> None:

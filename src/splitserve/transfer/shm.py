@@ -106,9 +106,7 @@ class ShmKVServer(ThreadedKVServer):
     ) -> None:
         """Announce ``indices`` (lying in ``blocks`` of segment ``name``) chunk by chunk, so the
         client copies chunk k while this side checksums (and stages) chunk k+1."""
-        per_chunk = max(1, self.config.chunk_bytes // pages.block_nbytes)
-        for start in range(0, len(indices), per_chunk):
-            span = slice(start, start + per_chunk)
+        for span in self.chunks(len(indices), pages.block_nbytes):
             if copy_from is not None:
                 for src, dst in zip(copy_from[span], blocks[span], strict=True):
                     pages.copy_block(self.source.pages, src, dst)

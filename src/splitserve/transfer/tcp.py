@@ -1,11 +1,11 @@
 """The ``tcp`` transport: KV blocks over an authenticated socket, across hosts.
 
-A pull is answered in chunks of about ``chunk_bytes``: the server checksums a chunk's blocks
-where they lie in its cache and sends ``BLOCKS`` (descriptors, then the raw bytes), and ends
-with ``END``. Neither side copies a block outside the socket: the server writes each block's
-runs straight out of its cache (``sendmsg``), the client reads them straight into the blocks
-it reserved (``recvmsg_into``) and checksums them there, one block at a time, while the
-kernel already buffers the next::
+A pull is answered in chunks (one block, then doubling up to ``chunk_bytes``): the server
+checksums a chunk's blocks where they lie in its cache and sends ``BLOCKS`` (descriptors,
+then the raw bytes), and ends with ``END``. Neither side copies a block outside the socket:
+the server writes each block's runs straight out of its cache (``sendmsg``), the client
+reads them straight into the blocks it reserved (``recvmsg_into``) and checksums them
+there, one block at a time, while the kernel already buffers the next::
 
     server                                    client
     checksum chunk k (in the cache)
@@ -49,10 +49,9 @@ class TcpKVServer(ThreadedKVServer):
         self, ch: Channel, cipher: PayloadCipher | None, lease: Lease, indices: Sequence[int]
     ) -> None:
         pages = self.source.pages
-        per_chunk = max(1, self.config.chunk_bytes // pages.block_nbytes)
         out = _Outbox(ch, self.config.fault.drop_after_bytes if self.config.fault else None)
-        for start in range(0, len(indices), per_chunk):
-            chunk = list(indices[start : start + per_chunk])
+        for span in self.chunks(len(indices), pages.block_nbytes):
+            chunk = list(indices[span])
             runs = [pages.runs(lease.block_ids[i]) for i in chunk]
             entries = [
                 BlockEntry(i, lease.hash_at(i), checksum(r), _nonce(cipher))
