@@ -168,3 +168,10 @@ def test_shared_cache_larger_than_dev_shm_is_a_clear_error(shm_prefix: str) -> N
     with pytest.raises(ValueError, match="lower --kv-cache-gb"):
         SharedKVCache((too_big,), torch.float32, f"{shm_prefix}cache-")
     assert shm_segments(shm_prefix) == []
+
+
+def test_chunks_start_at_one_block_and_double_up_to_the_cap(make_peer) -> None:
+    server = make_peer("tcp", chunk_bytes=16 * BLOCK_NBYTES).server
+    spans = [(s.start, s.stop) for s in server.chunks(40, BLOCK_NBYTES)]
+    assert spans == [(0, 1), (1, 3), (3, 7), (7, 15), (15, 31), (31, 40)]
+    assert [(s.start, s.stop) for s in server.chunks(2, BLOCK_NBYTES)] == [(0, 1), (1, 2)]
