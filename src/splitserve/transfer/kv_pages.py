@@ -158,10 +158,6 @@ class PagedBytes:
         """Copy block ``src_block`` of ``src`` into block ``dst_block`` here (one pass)."""
         self.array[:, dst_block] = src.array[:, src_block]
 
-    def read_block(self, block: int, out: np.ndarray) -> None:
-        """Copy block ``block`` into ``out`` (``block_nbytes`` contiguous bytes)."""
-        out.reshape(self.rows, self.run)[:] = self.array[:, block]
-
     def write_block(self, block: int, data: np.ndarray) -> None:
         """Copy ``data`` (``block_nbytes`` contiguous bytes) into block ``block``."""
         self.array[:, block] = data.reshape(self.rows, self.run)

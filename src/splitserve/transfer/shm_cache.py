@@ -88,7 +88,7 @@ class SegmentMaps:
     flight reads it any more (the copy holds a reference).
     """
 
-    def __init__(self, keep: int = 4) -> None:
+    def __init__(self, keep: int = 16) -> None:
         self.keep = keep
         self._maps: OrderedDict[str, tuple[tuple[int, ...], PagedBytes]] = OrderedDict()
         self._lock = threading.Lock()
