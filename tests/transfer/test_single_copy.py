@@ -175,3 +175,21 @@ def test_chunks_start_at_one_block_and_double_up_to_the_cap(make_peer) -> None:
     spans = [(s.start, s.stop) for s in server.chunks(40, BLOCK_NBYTES)]
     assert spans == [(0, 1), (1, 3), (3, 7), (7, 15), (15, 31), (31, 40)]
     assert [(s.start, s.stop) for s in server.chunks(2, BLOCK_NBYTES)] == [(0, 1), (1, 2)]
+
+
+def test_orphaned_cache_of_a_dead_process_is_unlinked_by_the_next_one(shm_prefix: str) -> None:
+    # A worker SIGKILLed with its whole process group takes its resource tracker along: the
+    # next cache created on the host cleans up after it.
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True)  # fmt: skip
+    dead_pid = int(done.stdout)
+    prefix = f"{shm_prefix}cache-"
+    orphan = f"{prefix}{dead_pid}-deadbeef"
+    ours = f"{prefix}{os.getpid()}-cafe0000"
+    for name in (orphan, ours):
+        with open(f"/dev/shm/{name}", "wb") as f:
+            f.write(b"x")
+    cache = SharedKVCache((4,), torch.float32, prefix)
+    assert shm_segments(shm_prefix) == sorted([ours, cache.name])
+    cache.close()
+    os.unlink(f"/dev/shm/{ours}")

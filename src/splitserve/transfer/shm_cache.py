@@ -10,10 +10,12 @@ read-only (``SegmentMaps``) and copies leased blocks straight from it into its o
          +-------------- same pages -------------+--> copy_block --> own kv_cache
 
 Invariants: segments are created mode 0600 (same user only) and named with the transport's
-prefix; the owner unlinks the name at ``close()`` (its tensor stays valid) or, if it dies
-first, ``multiprocessing``'s resource tracker does; a reader maps only what it was told to and
-never writes; a reader drops a map whose name is gone or names a new segment, so a restarted
-prefill worker's old cache is not held alive.
+prefix and the owner's pid; the owner unlinks the name at ``close()`` (its tensor stays
+valid) or, if it dies first, ``multiprocessing``'s resource tracker does. If the tracker dies
+with it (its whole process group SIGKILLed), the next cache created on the host unlinks
+segments whose owner pid is gone. A reader maps only what it was told to and never writes;
+it drops a map whose name is gone or names a new segment, so a restarted prefill worker's
+old cache is not held alive.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class SharedKVCache:
             raise ValueError(f"segment prefix must start with {SEGMENT_PREFIX!r}")
         count = int(torch.Size(shape).numel())
         size = count * dtype.itemsize
+        unlink_orphans(prefix)
         self.name = f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
         mapping = _create(self.name, size)
         resource_tracker.register("/" + self.name, "shared_memory")
@@ -59,6 +62,35 @@ class SharedKVCache:
         except FileNotFoundError:
             pass
         resource_tracker.unregister("/" + self.name, "shared_memory")
+
+
+def unlink_orphans(prefix: str = CACHE_PREFIX, shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink caches named ``<prefix><pid>-*`` whose owner process no longer exists; returns
+    their names. (A pid reused by an unrelated process keeps its orphan: the safe side.)"""
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return []
+    gone = []
+    for name in names:
+        pid, sep, _ = name.removeprefix(prefix).partition("-")
+        if name.startswith(prefix) and sep and pid.isdigit() and not _alive(int(pid)):
+            try:
+                _posixshmem.shm_unlink("/" + name)
+                gone.append(name)
+            except OSError:
+                pass
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def _create(name: str, size: int) -> mmap.mmap:
