@@ -57,8 +57,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from splitserve.config import EngineConfig
     from splitserve.worker.main import run_worker
 
+    disagg = _disagg_config(args)
     config = EngineConfig.from_kwargs(
-        model=args.model, kv_tiers=_tier_config(args), **_engine_options(args)
+        model=args.model,
+        kv_tiers=_tier_config(args),
+        kv_cache_shm=disagg.shares_kv_cache,
+        **_engine_options(args),
     )
     run_worker(
         config,
@@ -68,7 +72,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         served_model_name=args.served_model_name,
         log_level=args.log_level,
-        disagg=_disagg_config(args),
+        disagg=disagg,
     )
     return 0
 

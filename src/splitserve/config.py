@@ -51,6 +51,9 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16
     kv_cache_gb: float = 1.0
+    # Allocate the KV cache in POSIX shared memory, so that decode workers on this host copy
+    # blocks straight out of it (a prefill worker on the shm transport sets it).
+    kv_cache_shm: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # default: the model's own limit, bounded by the KV pool
@@ -70,6 +73,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb!r}")
+        if self.kv_cache_shm and self.device != "cpu":
+            raise ValueError("kv_cache_shm needs device 'cpu' (the cache must be host memory)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if self.threads is not None and self.threads < 1:

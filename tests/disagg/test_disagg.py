@@ -6,6 +6,7 @@ the decode leg with the ``kv_transfer_params`` the prefill worker returned.
 
 from __future__ import annotations
 
+import os
 import random
 
 import httpx
@@ -15,6 +16,17 @@ from procs import metric, start_worker, stop_group, wait_healthy
 SECRET = "disagg-test-secret"
 MAX_TOKENS = 8
 BLOCK_BYTES = 2 * 30 * 3 * 64 * 4 * 16  # the default model's KV block, float32
+
+
+class Cluster(dict):
+    """Worker name -> URL; ``pids`` maps the names to process ids."""
+
+    pids: dict[str, int]
+
+
+def kv_cache_segments(pid: int) -> list[str]:
+    """The shared-memory KV cache of worker ``pid``, if it has one."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"splitserve-kv-cache-{pid}-")]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +54,9 @@ def cluster():
     try:
         for url, proc in procs.values():
             wait_healthy(url, proc)
-        yield {name: url for name, (url, _) in procs.items()}
+        urls = Cluster({name: url for name, (url, _) in procs.items()})
+        urls.pids = {name: proc.pid for name, (_, proc) in procs.items()}
+        yield urls
     finally:
         for _, proc in procs.values():
             stop_group(proc)
@@ -106,6 +120,13 @@ def test_greedy_outputs_equal_collocated(cluster, offline, transport, seed):
     # Every full block but one holding the prompt's last token (the engine recomputes that).
     usable = sum((len(p) - 1) // 16 for p in batch)
     assert metric(cluster["d"], "splitserve:kv_blocks_received_total") - received == usable
+
+
+def test_shm_prefill_worker_keeps_its_kv_cache_in_shared_memory(cluster):
+    # So the shm greedy test above ran the single-copy path: the decode worker copied each
+    # block straight out of this segment. A tcp prefill worker keeps a private cache.
+    assert len(kv_cache_segments(cluster.pids["p_shm"])) == 1
+    assert kv_cache_segments(cluster.pids["p_tcp"]) == []
 
 
 def test_second_turn_pulls_only_the_missing_blocks(cluster):
@@ -175,13 +196,15 @@ def test_lease_expiry_frees_prefill_blocks(cluster):
 
 
 def test_prefill_worker_gone_before_pull(cluster, offline):
-    url, proc = start_worker(["--role", "prefill"], secret=SECRET)
+    url, proc = start_worker(["--role", "prefill", "--kv-transport", "shm"], secret=SECRET)
     try:
         wait_healthy(url, proc)
+        assert len(kv_cache_segments(proc.pid)) == 1
         prompt = prompts(6, 2)[1][:400]
         params = prefill_leg(url, prompt)
     finally:
         stop_group(proc)
+    assert kv_cache_segments(proc.pid) == []  # its shared KV cache went with it
     assert decode_leg(cluster["d"], prompt, params) == reference(offline, [prompt])[0]
 
 

@@ -138,3 +138,30 @@ def test_rejects_too_many_sequences():
     small = ModelRunner(tiny_model(), block_size=4, kv_cache_bytes=2**14, max_num_seqs=1)
     with pytest.raises(ValueError, match="max_num_seqs"):
         small.execute(StepPlan([chunk("a", [1], 0, [0]), chunk("b", [2], 0, [1])]))
+
+
+def test_shared_kv_cache_lives_in_shared_memory_until_close():
+    # What a prefill worker on the shm transport runs with: decode workers copy from it.
+    import os
+
+    shared = ModelRunner(tiny_model(), block_size=4, kv_cache_bytes=64 * 2**10, shared_kv=True)
+    name = shared.kv_segment.name
+    assert os.path.exists(f"/dev/shm/{name}") and name.startswith(
+        f"splitserve-kv-cache-{os.getpid()}-"
+    )
+    assert shared.kv_cache.shape == (2, 2, 64, 4, 2, 8) and not shared.kv_cache.any()
+    private = ModelRunner(tiny_model(), block_size=4, kv_cache_bytes=64 * 2**10)
+    plan = StepPlan([chunk("a", [5, 6, 7, 8, 9], 0, [3, 4])])
+    assert shared.execute(plan).sampled == private.execute(plan).sampled
+    assert torch.equal(shared.kv_cache, private.kv_cache)
+    shared.close()
+    assert not os.path.exists(f"/dev/shm/{name}")
+    assert private.kv_segment is None
+    private.close()  # nothing to unlink
+
+
+def test_shared_kv_cache_needs_host_memory():
+    from splitserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_cache_shm"):
+        EngineConfig(device="cuda", kv_cache_shm=True)

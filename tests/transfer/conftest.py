@@ -23,12 +23,15 @@ def shm_prefix() -> Iterator[str]:
 def make_peer(shm_prefix: str) -> Iterator[Callable[..., Peer]]:
     peers: list[Peer] = []
 
-    def make(transport: str, **config: object) -> Peer:
+    def make(kind: str, **config: object) -> Peer:
+        """``kind``: a transport name, or ``shm-shared`` (shm from a shared-memory cache)."""
+        transport, _, variant = kind.partition("-")
+        shared = variant == "shared"
         server = config.pop("server", {})
         cfg = TransferConfig(secret=config.pop("secret", SECRET), **config)  # type: ignore[arg-type]
-        peers.append(Peer(transport, cfg, shm_prefix, **server))  # type: ignore[arg-type]
+        peers.append(Peer(transport, cfg, shm_prefix, shared, **server))  # type: ignore[arg-type]
         return peers[-1]
 
     yield make
     for peer in peers:
-        peer.server.stop()
+        peer.close()

@@ -17,36 +17,22 @@ from splitserve.transfer import (
     LeaseNotFound,
     PeerUnreachable,
     RemoteKV,
-    TransferConfig,
     TransferTimeout,
-    get_connector,
 )
 from splitserve.transfer.kv_pages import KVCacheBlocks
 from tests.transfer.helpers import (
     BLOCK_NBYTES,
-    SECRET,
     assert_blocks_equal,
     chain,
+    client,
     make_cache,
     plan_all,
     shm_segments,
+    wait_until,
 )
 
-TRANSPORTS = ["tcp", "shm"]
-
-
-def client(transport: str, **config: object):
-    cfg = TransferConfig(secret=config.pop("secret", SECRET), **config)  # type: ignore[arg-type]
-    return get_connector(transport, cfg).make_client()
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+# shm-shared: the prefill side's cache lives in shared memory (the single-copy path).
+TRANSPORTS = ["tcp", "shm", "shm-shared"]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -80,7 +66,10 @@ def test_wrong_secret_is_refused_and_right_secret_admitted(make_peer, transport:
     assert_blocks_equal(peer.cache, [1, 2, 3], dst, [0, 1, 2])
 
 
-@pytest.mark.parametrize(("transport", "encrypt"), [("tcp", False), ("tcp", True), ("shm", False)])
+@pytest.mark.parametrize(
+    ("transport", "encrypt"),
+    [("tcp", False), ("tcp", True), ("shm", False), ("shm-shared", False)],
+)
 def test_corrupted_block_is_detected_once(make_peer, transport: str, encrypt: bool) -> None:
     peer = make_peer(transport, encrypt=encrypt, fault=FaultInjection(corrupt_block=2))
     plan = plan_all(peer.offer("req-1", [5, 6, 7, 8]))
@@ -98,7 +87,8 @@ def test_connection_cut_mid_transfer(make_peer, shm_prefix: str, transport: str)
     plan = plan_all(peer.offer("req-1", [5, 6, 7, 8]))
     with pytest.raises(ConnectionDropped):
         client(transport).pull(plan, KVCacheBlocks(torch.zeros_like(peer.cache)), [0, 1, 2, 3])
-    assert wait_until(lambda: shm_segments(shm_prefix) == [])
+    cache = [peer.shared.name] if peer.shared else []  # no staging segment left behind
+    assert wait_until(lambda: shm_segments(shm_prefix) == cache)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

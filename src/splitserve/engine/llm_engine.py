@@ -53,6 +53,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             device=config.device,
             threads=config.threads,
+            shared_kv=config.kv_cache_shm,
         )
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.max_model_len = self._max_model_len()
@@ -195,6 +196,7 @@ class LLMEngine:
 
     def close(self, timeout_s: float = 5.0) -> bool:
         """Finish pending tier copies and disk writes (SIGTERM); True if all landed in time."""
+        self.runner.close()
         if self.kv_tiers is None:
             return True
         self._start_copies()

@@ -20,6 +20,7 @@ from splitserve.models.attention import (
     offset_causal_mask,
 )
 from splitserve.models.loader import LoadedModel
+from splitserve.transfer.shm_cache import SharedKVCache
 
 # Steps of fewer tokens than this run on one intra-op thread. Their matmuls are GEMVs that
 # MKL runs single-threaded anyway (bandwidth-bound), and every other op is too small to
@@ -52,7 +53,9 @@ class ModelRunner:
     ``block_size`` tokens, sized to fit ``kv_cache_bytes``.
 
     The cache is one tensor ``[num_layers, 2 (k, v), num_blocks, block_size, kvh, head_dim]``,
-    so block ``b`` of every layer is ``kv_cache[:, :, b]`` (what a KV transfer moves).
+    so block ``b`` of every layer is ``kv_cache[:, :, b]`` (what a KV transfer moves). With
+    ``shared_kv`` it lives in a shared-memory segment named ``kv_segment.name``, from which
+    same-host decode workers copy blocks directly; ``close()`` unlinks that name.
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class ModelRunner:
         max_num_seqs: int = 256,
         device: str | torch.device = "cpu",
         threads: int | None = None,
+        shared_kv: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -84,19 +88,21 @@ class ModelRunner:
                 f"kv_cache_bytes={kv_cache_bytes} is less than one KV block "
                 f"({self.bytes_per_block} bytes at block_size={block_size})"
             )
+        shape = (cfg.num_layers, 2, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: padded decode gathers read unwritten slots, and masked-out NaNs
-        # would still poison the attention output (0 * NaN).
-        self.kv_cache = torch.zeros(
-            cfg.num_layers,
-            2,
-            self.num_blocks,
-            block_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            dtype=dtype,
-            device=self.device,
-        )
+        # would still poison the attention output (0 * NaN). Shared memory starts zeroed.
+        self.kv_segment: SharedKVCache | None = None
+        if shared_kv:
+            self.kv_segment = SharedKVCache(shape, dtype)
+            self.kv_cache = self.kv_segment.tensor
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.model.bind_kv_cache(self.kv_cache)
+
+    def close(self) -> None:
+        """Unlink the shared cache's name, if any (the cache itself stays usable)."""
+        if self.kv_segment is not None:
+            self.kv_segment.close()
 
     @staticmethod
     def set_threads(n: int) -> None:

@@ -27,6 +27,7 @@ from splitserve.transfer.faults import FaultInjection
 if TYPE_CHECKING:
     import torch
 
+    from splitserve.transfer.kv_pages import PagedBytes
     from splitserve.transfer.lease import LeaseTable
     from splitserve.transfer.scheduler import LoadPlan, RemoteKV
 
@@ -56,29 +57,29 @@ class TransferConfig:
 
 
 class BlockSource(Protocol):
-    """Where a KV server reads blocks from (the prefill engine's cache)."""
+    """Where a KV server reads blocks from (the prefill engine's cache).
+
+    Servers read ``pages`` on their own threads, only leased blocks, which the engine never
+    rewrites. ``shm_segment`` names the shared-memory segment the cache lives in, if it does:
+    the ``shm`` transport then lets a same-host peer copy straight out of it.
+    """
 
     block_shape: tuple[int, ...]  # one block: (L, 2, block_size, kv_heads, head_dim)
     dtype: torch.dtype
-
-    def read_into(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        """Copy blocks ``block_ids`` into ``out`` (contiguous ``[n, *block_shape]``).
-
-        Called on a server thread, only for leased blocks, which the engine never rewrites.
-        """
-        ...
+    pages: PagedBytes
+    shm_segment: str | None
 
 
 class BlockSink(Protocol):
-    """Where a KV client writes pulled blocks to (the decode engine's cache)."""
+    """Where a KV client writes pulled blocks to (the decode engine's cache).
+
+    Clients write ``pages``, only the blocks the engine reserved for the pull and does not
+    read until it returns; after a failed pull those blocks hold garbage and are freed.
+    """
 
     block_shape: tuple[int, ...]
     dtype: torch.dtype
-
-    def write(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
-        """Copy ``data`` (``[n, *block_shape]``) into blocks ``block_ids``. ``data`` is only
-        valid during the call (it may be a reused buffer or a shared-memory mapping)."""
-        ...
+    pages: PagedBytes
 
 
 class PullResult(NamedTuple):
@@ -137,6 +138,10 @@ class KVClient(ABC):
     @abstractmethod
     def release(self, remote: RemoteKV) -> None:
         """End the remote lease without pulling (e.g. the decode worker recomputes)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Let go of whatever the client keeps between pulls (idle connections)."""
 
 
 class KVConnector(ABC):

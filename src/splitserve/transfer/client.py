@@ -1,7 +1,8 @@
 """The pulling half shared by the socket transports: connect, authenticate, request.
 
-One connection per call; the connection is closed on every path. Socket and protocol
-failures surface as the ``KVTransferError`` subclasses the decode worker falls back on.
+Connections are kept open between requests (``connections.py``); one that saw any failure
+is closed. Socket and protocol failures surface as the ``KVTransferError`` subclasses the
+decode worker falls back on.
 """
 
 from __future__ import annotations
@@ -9,14 +10,18 @@ from __future__ import annotations
 import socket
 import time
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import NamedTuple
 
 from splitserve.transfer.auth import PayloadCipher, client_handshake
 from splitserve.transfer.base import BlockSink, KVClient, PullResult, TransferConfig
-from splitserve.transfer.errors import PeerUnreachable
+from splitserve.transfer.connections import Connection, IdleConnections
+from splitserve.transfer.errors import PeerUnreachable, ProtocolError
 from splitserve.transfer.kv_pages import dtype_name
+from splitserve.transfer.payload import BatchMeta, check_batch, unpack_batch
 from splitserve.transfer.scheduler import LoadPlan, RemoteKV
-from splitserve.transfer.wire import Channel, Msg, pack_pull, pack_str
+from splitserve.transfer.wire import Channel, Frame, Msg, pack_pull, pack_str
 
 
 class ThreadedKVClient(KVClient):
@@ -24,6 +29,8 @@ class ThreadedKVClient(KVClient):
 
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
+        # Reuse only well inside the server's idle timeout (it is io_timeout_s as well).
+        self.idle = IdleConnections(max_idle_s=config.io_timeout_s / 2)
 
     def pull(
         self,
@@ -35,16 +42,13 @@ class ThreadedKVClient(KVClient):
         if len(dest_block_ids) != plan.num_blocks:
             raise ValueError(f"{len(dest_block_ids)} destination blocks for {plan.num_blocks}")
         start = time.perf_counter()
-        ch, cipher = self._connect(plan.remote)
-        try:
+        with self._connection(plan.remote) as (ch, cipher):
             nbytes = 0
             if plan.num_blocks:
                 ch.send(Msg.PULL, pack_pull(plan.remote.request_id, plan.load_indices))
                 nbytes = self.receive(ch, cipher, plan, sink, dest_block_ids)
             if release:
                 self._lease_op(ch, Msg.RELEASE, plan.remote)
-        finally:
-            ch.close()
         return PullResult(plan.num_blocks, nbytes, time.perf_counter() - start)
 
     def renew(self, remote: RemoteKV) -> None:
@@ -87,16 +91,57 @@ class ThreadedKVClient(KVClient):
             raise
 
     def _once(self, remote: RemoteKV, msg: Msg) -> None:
-        ch, _ = self._connect(remote)
-        try:
+        with self._connection(remote) as (ch, _):
             self._lease_op(ch, msg, remote)
-        finally:
-            ch.close()
+
+    @contextmanager
+    def _connection(self, remote: RemoteKV) -> Iterator[Connection]:
+        """An authenticated connection to ``remote``'s server, idle or new; it goes back to
+        the idle ones only if the block ends without an exception."""
+        peer = (remote.host, remote.port)
+        conn = self.idle.take(peer) or Connection(*self._connect(remote))
+        try:
+            yield conn
+        except BaseException:
+            conn.ch.close()
+            raise
+        self.idle.put(peer, conn)
+
+    def close(self) -> None:
+        """Close the idle connections."""
+        self.idle.close()
 
     @staticmethod
     def _lease_op(ch: Channel, msg: Msg, remote: RemoteKV) -> None:
         ch.send(msg, pack_str(remote.request_id))
         ch.expect(Msg.OK)
+
+
+class Batch(NamedTuple):
+    frame: Frame
+    meta: BatchMeta
+    targets: Sequence[int]  # the local blocks its entries go to, in order
+
+
+def batches(
+    ch: Channel, msg: Msg, plan: LoadPlan, sink: BlockSink, dest_block_ids: Sequence[int]
+) -> Iterator[Batch]:
+    """The ``msg`` frames answering a PULL, up to ``END``, each checked against the plan: the
+    planned blocks in order, under the planned hashes, laid out like ``sink``; ``END`` only
+    after every planned block."""
+    dtype, shape, _ = expect_layout(sink)
+    pos = 0
+    while (frame := ch.expect(msg, Msg.END)).type is msg:
+        meta = unpack_batch(frame.meta)
+        n = len(meta.entries)
+        if n == 0 or pos + n > plan.num_blocks:
+            raise ProtocolError(f"peer sent {n} blocks at {pos} of {plan.num_blocks}")
+        span = slice(pos, pos + n)
+        check_batch(meta, dtype, shape, plan.load_indices[span], plan.hashes[span])
+        yield Batch(frame, meta, dest_block_ids[span])
+        pos += n
+    if pos != plan.num_blocks:
+        raise ProtocolError(f"peer ended the pull after {pos} of {plan.num_blocks} blocks")
 
 
 def expect_layout(sink: BlockSink) -> tuple[str, tuple[int, ...], int]:

@@ -1,19 +1,21 @@
-"""Gather and scatter whole KV blocks of the engine's paged cache.
+"""Whole KV blocks of the engine's paged cache: gathered, scattered, or read in place.
 
 The cache is one tensor ``[L, 2, num_blocks, bs, kvh, hd]``; block ``b`` of every layer is
-``kv_cache[:, :, b]``. A transfer moves blocks as ``[n, L, 2, bs, kvh, hd]``, block-major, so
-each block's bytes are contiguous (one checksum call, one ``sendall`` slice per block)::
+``kv_cache[:, :, b]``. A transfer moves blocks block-major, ``[n, L, 2, bs, kvh, hd]``, one
+block's bytes after another::
 
     kv_cache (per layer l, k|v)      payload
     [ b0 | b1 | b2 | b3 ... ]        [ b1: l0k l0v l1k l1v ... | b3: l0k l0v ... ]
            ^^        ^^   gather ->
+
+The transports do not gather: ``PagedBytes`` hands them each block as its runs in the cache,
+which they send, receive and checksum in place (see there). ``gather_blocks`` and
+``scatter_blocks`` serve the KV tiers and the benchmarks.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 import torch
@@ -108,54 +110,73 @@ def as_bytes(blocks: torch.Tensor) -> np.ndarray:
     return blocks.reshape(blocks.shape[0], -1).view(torch.uint8).numpy()
 
 
-class KVCacheBlocks:
-    """A ``BlockSource`` and ``BlockSink`` over an engine's ``kv_cache`` tensor.
+class PagedBytes:
+    """A paged cache's bytes, block by block, without gathering them.
 
-    Reads and writes run on the transfer's thread. Reading a leased block is safe while the
-    engine runs because leased blocks are never rewritten; writes go to blocks the decode
-    engine reserved for the transfer and does not read until the pull returns. ``lock``, if
-    given, is held around each copy for engines that need more than that.
+    Viewed as ``[rows, num_blocks, run]`` bytes (``rows = L * 2``; a run is one layer's K or
+    V of one block), block ``b`` is ``rows`` contiguous runs, one per (layer, K|V)::
+
+        row 0 (l0 k): [ b0 | b1 | b2 ... ]     block 1 = runs (0,1) (1,1) (2,1) ...
+        row 1 (l0 v): [ b0 | b1 | b2 ... ]     = its block-major bytes, in that order
+        ...
+
+    Taken in row order the runs are exactly the block's block-major bytes, so a streaming
+    checksum over them equals the checksum of the gathered block, and a socket can send or
+    receive them in place (``sendmsg``/``recvmsg_into``). ``buf`` may be read-only (a peer's
+    cache mapped with ``PROT_READ``); then only reading works.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, lock: AbstractContextManager | None = None) -> None:
+    def __init__(self, buf: object, rows: int, num_blocks: int, run: int) -> None:
+        self.rows, self.num_blocks, self.run = rows, num_blocks, run
+        count = rows * num_blocks * run
+        self.array = np.frombuffer(buf, np.uint8, count=count).reshape(rows, num_blocks, run)
+        self._flat = memoryview(self.array.reshape(-1))
+        self._row_stride = num_blocks * run
+
+    @classmethod
+    def of_cache(cls, kv_cache: torch.Tensor) -> PagedBytes:
+        """The bytes of a contiguous host ``[L, 2, blocks, bs, kvh, hd]`` cache (shared)."""
+        if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+            raise ValueError("KV transfer needs a contiguous KV cache in host memory")
+        _block_major(kv_cache)  # checks the layout
+        rows, num_blocks = kv_cache.shape[0] * 2, kv_cache.shape[2]
+        flat = kv_cache.view(torch.uint8).numpy().reshape(-1)
+        return cls(flat, rows, num_blocks, flat.size // (rows * num_blocks))
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.rows * self.run
+
+    def runs(self, block: int) -> list[memoryview]:
+        """Block ``block``'s bytes as ``rows`` views into the cache, in block-major order."""
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(f"block {block} outside a cache of {self.num_blocks} blocks")
+        starts = range(block * self.run, self.rows * self._row_stride, self._row_stride)
+        return [self._flat[o : o + self.run] for o in starts]
+
+    def copy_block(self, src: PagedBytes, src_block: int, dst_block: int) -> None:
+        """Copy block ``src_block`` of ``src`` into block ``dst_block`` here (one pass)."""
+        self.array[:, dst_block] = src.array[:, src_block]
+
+    def write_block(self, block: int, data: np.ndarray) -> None:
+        """Copy ``data`` (``block_nbytes`` contiguous bytes) into block ``block``."""
+        self.array[:, block] = data.reshape(self.rows, self.run)
+
+
+class KVCacheBlocks:
+    """A ``BlockSource`` and ``BlockSink`` over an engine's host ``kv_cache`` tensor.
+
+    Transports read and write its ``pages`` on their own threads. Reading a leased block is
+    safe while the engine runs because leased blocks are never rewritten; writes go to blocks
+    the decode engine reserved for the transfer and does not read until the pull returns.
+    ``shm_segment`` names the shared-memory segment the cache lives in, if it does (see
+    ``shm_cache.SharedKVCache``): the ``shm`` transport then lets peers copy straight out of it.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, shm_segment: str | None = None) -> None:
         self.kv_cache = kv_cache
         self.block_shape = block_shape(kv_cache)
         self.dtype = kv_cache.dtype
-        self.block_nbytes = block_nbytes(kv_cache)
-        self._lock = lock if lock is not None else nullcontext()
-
-    def read_into(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        with self._lock:
-            gather_blocks(self.kv_cache, block_ids, out=out)
-
-    def write(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
-        with self._lock:
-            scatter_blocks(self.kv_cache, block_ids, data)
-
-
-class BufferPool:
-    """Reusable ``[n, *block_shape]`` staging buffers, shared by a transport's threads.
-
-    Fresh buffers cost a page fault per 4 KiB on first touch, which at transfer sizes is as
-    much as the copy itself; a few kept buffers make every later pull fault-free.
-    """
-
-    def __init__(self, keep: int = 4) -> None:
-        self._free: list[torch.Tensor] = []
-        self._keep = keep
-        self._lock = threading.Lock()
-
-    def take(self, n: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A buffer of at least ``n`` blocks (slice it to ``[:n]``)."""
-        with self._lock:
-            for i, buf in enumerate(self._free):
-                if buf.shape[0] >= n and tuple(buf.shape[1:]) == shape and buf.dtype == dtype:
-                    return self._free.pop(i)
-        return torch.empty((n, *shape), dtype=dtype)
-
-    def give_back(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)
-            # Keep the largest few: they serve every smaller pull too.
-            self._free.sort(key=lambda b: b.numel(), reverse=True)
-            del self._free[self._keep :]
+        self.pages = PagedBytes.of_cache(kv_cache)
+        self.block_nbytes = self.pages.block_nbytes
+        self.shm_segment = shm_segment

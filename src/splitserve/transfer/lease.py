@@ -41,6 +41,10 @@ class Lease:
     readers: int = 0
     ended: EndReason | None = field(default=None)
 
+    def hash_at(self, index: int) -> BlockHash | None:
+        """The hash of the block at ``index``; None for a trailing partial block."""
+        return self.hashes[index] if index < len(self.hashes) else None
+
 
 class LeaseTable:
     """Request id -> ``Lease``, with ``on_end(lease, reason)`` called once per lease when it

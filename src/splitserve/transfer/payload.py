@@ -3,14 +3,18 @@ lease, hash, checksum (xxh3_64 over its bytes) and, when encrypted, its AES-GCM 
 
 Meta layout (little-endian)::
 
-    u8 dtype  u8 ndim  u32[ndim] block_shape  u16+utf8 segment  u32 n
+    u8 dtype  u8 ndim  u32[ndim] block_shape  u16+utf8 segment  u32 segment_blocks  u32 n
     n x { u32 index  u8 has_hash  16B hash  u64 checksum  12B nonce }
+    n x u32 source_block                                   (only when a segment is named)
+
+An ``shm`` batch names the segment the blocks lie in: a paged cache of ``segment_blocks``
+blocks (the prefill worker's own cache, or a staging segment), block ``source_block``.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import xxhash
@@ -36,15 +40,22 @@ class BatchMeta(NamedTuple):
     block_shape: tuple[int, ...]
     entries: list[BlockEntry]
     segment: str = ""  # shm segment name; empty for socket payloads
+    segment_blocks: int = 0  # blocks in the segment's paged layout
+    source_blocks: tuple[int, ...] = ()  # per entry, its block in the segment
 
 
-def checksum(data: memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(data)
+def checksum(parts: Iterable[memoryview]) -> int:
+    """xxh3_64 of a block's bytes, given as consecutive parts (its runs in a paged cache, or
+    one contiguous buffer): the same value either way."""
+    state = xxhash.xxh3_64()
+    for part in parts:
+        state.update(part)
+    return state.intdigest()
 
 
-def verify(entry: BlockEntry, data: memoryview) -> None:
-    """Raise ``ChecksumMismatch`` if ``data`` is not the block ``entry`` describes."""
-    got = checksum(data)
+def verify(entry: BlockEntry, parts: Iterable[memoryview]) -> None:
+    """Raise ``ChecksumMismatch`` if ``parts`` are not the block ``entry`` describes."""
+    got = checksum(parts)
     if got != entry.checksum:
         raise ChecksumMismatch(
             f"block at position {entry.index} has checksum {got:016x}, "
@@ -59,11 +70,15 @@ def pack_batch(meta: BatchMeta) -> bytes:
         len(meta.block_shape),
         *meta.block_shape,
     )
-    parts = [head, pack_str(meta.segment), struct.pack("<I", len(meta.entries))]
+    n = len(meta.entries)
+    if len(meta.source_blocks) != (n if meta.segment else 0):
+        raise ValueError("a segment batch needs one source block per entry, others none")
+    parts = [head, pack_str(meta.segment), struct.pack("<II", meta.segment_blocks, n)]
     parts += [
         _ENTRY.pack(e.index, e.hash is not None, e.hash or _NO_HASH, e.checksum, e.nonce)
         for e in meta.entries
     ]
+    parts.append(struct.pack(f"<{len(meta.source_blocks)}I", *meta.source_blocks))
     return b"".join(parts)
 
 
@@ -72,11 +87,12 @@ def unpack_batch(data: bytes) -> BatchMeta:
         code, ndim = struct.unpack_from("<BB", data, 0)
         shape = struct.unpack_from(f"<{ndim}I", data, 2)
         segment, offset = unpack_str(data, 2 + 4 * ndim)
-        (n,) = struct.unpack_from("<I", data, offset)
+        segment_blocks, n = struct.unpack_from("<II", data, offset)
     except struct.error as exc:
         raise ProtocolError(f"truncated block batch meta ({exc})") from exc
-    offset += 4
-    if len(data) != offset + n * _ENTRY.size:
+    offset += 8
+    num_sources = n if segment else 0
+    if len(data) != offset + n * _ENTRY.size + 4 * num_sources:
         raise ProtocolError("block batch meta has the wrong length")
     names = {v: k for k, v in _DTYPE_CODES.items()}
     if code not in names:
@@ -85,7 +101,8 @@ def unpack_batch(data: bytes) -> BatchMeta:
     for i in range(n):
         index, has_hash, h, check, nonce = _ENTRY.unpack_from(data, offset + i * _ENTRY.size)
         entries.append(BlockEntry(index, h if has_hash else None, check, nonce))
-    return BatchMeta(names[code], tuple(shape), entries, segment)
+    sources = struct.unpack_from(f"<{num_sources}I", data, offset + n * _ENTRY.size)
+    return BatchMeta(names[code], tuple(shape), entries, segment, segment_blocks, sources)
 
 
 def check_batch(

@@ -11,7 +11,7 @@ import logging
 import socket
 import threading
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from splitserve.transfer.auth import PayloadCipher, server_handshake
 from splitserve.transfer.base import BlockSource, KVServer, TransferConfig
@@ -48,11 +48,19 @@ class ThreadedKVServer(KVServer):
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._blocks_served = 0  # counts blocks across the server's life, for corrupt_block
+        self._accepted = 0
 
     @property
     def blocks_served(self) -> int:
         """Blocks sent to decode workers over this server's life."""
         return self._blocks_served
+
+    @property
+    def connections(self) -> tuple[int, int]:
+        """(accepted over the server's life, open now): clients keep connections between
+        pulls, so these stay far below the number of pulls."""
+        with self._lock:
+            return self._accepted, len(self._conns)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -105,6 +113,7 @@ class ThreadedKVServer(KVServer):
                 return
             with self._lock:
                 self._conns.add(conn)
+                self._accepted += 1
             self._spawn(self._handle, f"kv-conn-{peer}", conn, peer)
 
     def _reap_loop(self) -> None:
@@ -178,6 +187,19 @@ class ThreadedKVServer(KVServer):
         if fault is not None and fault.stall_s:
             # Interruptible by stop(), so a stalled test server still shuts down promptly.
             self._stopping.wait(fault.stall_s)
+
+    def chunks(self, n: int, block_nbytes: int) -> Iterator[slice]:
+        """Positions ``0..n`` cut into chunks that double from one block up to about
+        ``chunk_bytes``: the peer starts on the first block while this side prepares the
+        next (checksums, staging), and stays busy from then on::
+
+            n = 40, cap 16:  [0] [1 2] [3..6] [7..14] [15..30] [31..39]
+        """
+        cap = max(1, self.config.chunk_bytes // block_nbytes)
+        start, size = 0, 1
+        while start < n:
+            yield slice(start, min(n, start + size))
+            start, size = start + size, min(cap, 2 * size)
 
     def next_block_numbers(self, n: int) -> range:
         """Serial numbers of the next ``n`` blocks served (for the ``corrupt_block`` fault)."""

@@ -1,62 +1,54 @@
 """The ``shm`` transport: KV blocks through POSIX shared memory, for workers on one host.
 
 The authenticated control channel is the same socket protocol as ``tcp``; the bytes never
-go through it::
+go through it. When the prefill worker's cache itself lives in shared memory
+(``shm_cache.SharedKVCache``, what a prefill worker on this transport allocates), a pull is a
+single copy, straight from the leased blocks into the decode worker's reserved blocks::
 
-    client                      server
-    PULL(request, positions) ->
-                                create segment, gather blocks into it (one copy), checksum
-                             <- SHM_READY(segment name, descriptors)
-    map segment, verify,
-    scatter into the cache (one copy), unmap
-    SHM_DONE                 ->
-                                unlink segment
+    client                                   server
+    PULL(request, positions)            ->
+                                             checksum chunk k where it lies in the cache
+                                        <-   SHM_READY k (cache segment, source blocks,
+    map the cache read-only (kept),            descriptors)
+    copy each block into its reserved        checksum chunk k+1 ...
+    block, verify it there              <-   END
+    SHM_DONE                            ->   (the lease stays checked out until here)
 
-The server creates every segment and unlinks it (``shm_pool.py``): a segment whose pull
-failed (client error, timeout, dropped connection) at once; a healthy one is kept for reuse
-within a byte budget and unlinked at ``stop()``. Nothing outlives the server in ``/dev/shm``;
-if the server process dies, ``multiprocessing``'s resource tracker unlinks its segments.
-The client maps segments without registering them with its own resource tracker, which in
-Python 3.11 would otherwise unlink them under the server or warn at exit. Payloads are
-never encrypted: they do not leave the host, and segments are created mode 0600.
+A server whose cache is private (on another device, or allocated before the transport was
+chosen) first copies each chunk into a staging segment laid out the same way, from a
+``SegmentPool``, and names that segment instead: two copies, same client.
+
+The client verifies every block's checksum where it landed, in its own cache: a block that
+changed under the copy (a lease that ran out mid-read) is caught like a damaged one. Payloads
+are never encrypted: they do not leave the host, and segments are mode 0600. Staging
+segments are created and unlinked by the server (``shm_pool.py``), the cache segment by its
+engine; nothing outlives them in ``/dev/shm``.
 """
 
 from __future__ import annotations
 
-import _posixshmem
-import mmap
-import os
 from collections.abc import Sequence
-from multiprocessing import shared_memory
-
-import torch
 
 from splitserve.transfer.auth import PayloadCipher
 from splitserve.transfer.base import BlockSink, BlockSource, KVConnector, TransferConfig
-from splitserve.transfer.client import ThreadedKVClient, expect_layout
+from splitserve.transfer.client import ThreadedKVClient, batches
 from splitserve.transfer.errors import ProtocolError
-from splitserve.transfer.kv_pages import as_bytes, dtype_name
+from splitserve.transfer.kv_pages import PagedBytes, dtype_name
 from splitserve.transfer.lease import Lease, LeaseTable
-from splitserve.transfer.payload import (
-    BatchMeta,
-    BlockEntry,
-    check_batch,
-    checksum,
-    pack_batch,
-    unpack_batch,
-    verify,
-)
+from splitserve.transfer.payload import BatchMeta, BlockEntry, checksum, pack_batch, verify
 from splitserve.transfer.scheduler import LoadPlan
 from splitserve.transfer.server import FaultDrop, ThreadedKVServer
+from splitserve.transfer.shm_cache import SEGMENT_PREFIX, SegmentMaps
 from splitserve.transfer.shm_pool import DEFAULT_MAX_IDLE_BYTES, SegmentPool
 from splitserve.transfer.wire import Channel, Msg
 
-DEFAULT_SEGMENT_PREFIX = "splitserve-kv-"
+DEFAULT_SEGMENT_PREFIX = SEGMENT_PREFIX
 
 
 class ShmKVServer(ThreadedKVServer):
-    """Serves leased blocks through shared-memory segments from a ``SegmentPool``
-    (``max_idle_bytes=0``: a fresh segment per pull, unlinked right after it)."""
+    """Serves leased blocks through shared memory: out of the cache itself when
+    ``source.shm_segment`` names it, else through staging segments from a ``SegmentPool``
+    (``max_idle_bytes=0``: a fresh one per pull, unlinked right after it)."""
 
     def __init__(
         self,
@@ -80,44 +72,72 @@ class ShmKVServer(ThreadedKVServer):
     def serve_pull(
         self, ch: Channel, cipher: PayloadCipher | None, lease: Lease, indices: Sequence[int]
     ) -> None:
-        shape, dtype = tuple(self.source.block_shape), self.source.dtype
-        size = len(indices) * int(torch.Size(shape).numel()) * dtype.itemsize
-        segment, healthy = self.segments.take(size), False
+        fault = self.config.fault
+        if fault is not None and fault.drop_after_bytes is not None:
+            raise FaultDrop("drop_after_bytes: cut before announcing any block")
+        blocks = [lease.block_ids[i] for i in indices]
+        source = self.source.pages
+        if self.source.shm_segment is not None:
+            self._announce(ch, lease, indices, self.source.shm_segment, source, blocks)
+            ch.expect(Msg.SHM_DONE)
+            return
+        segment, healthy = self.segments.take(len(blocks) * source.block_nbytes), False
+        staged: PagedBytes | None = None
         try:
-            meta = self._fill(segment, lease, indices, shape, dtype)
-            fault = self.config.fault
-            if fault is not None and fault.drop_after_bytes is not None:
-                raise FaultDrop("drop_after_bytes: cut before announcing the segment")
-            ch.send(Msg.SHM_READY, pack_batch(meta))
+            capacity = segment.size // source.block_nbytes
+            staged = PagedBytes(segment.buf, source.rows, capacity, source.run)
+            staging = list(range(len(blocks)))
+            self._announce(ch, lease, indices, segment.name, staged, staging, copy_from=blocks)
             ch.expect(Msg.SHM_DONE)
             healthy = True
         finally:
+            staged = None  # the segment cannot close while a view of it exists
             self.segments.give_back(segment, healthy)
 
-    def _fill(
+    def _announce(
         self,
-        segment: shared_memory.SharedMemory,
+        ch: Channel,
         lease: Lease,
         indices: Sequence[int],
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-    ) -> BatchMeta:
-        blocks = _tensor_over(segment.buf, len(indices), shape, dtype)
-        self.source.read_into([lease.block_ids[i] for i in indices], blocks)
-        raw = as_bytes(blocks)
-        entries = [
-            BlockEntry(i, lease.hashes[i] if i < len(lease.hashes) else None, checksum(raw[j]))
-            for j, i in enumerate(indices)
-        ]
-        numbers = self.next_block_numbers(len(indices))
+        name: str,
+        pages: PagedBytes,
+        blocks: Sequence[int],
+        copy_from: Sequence[int] | None = None,
+    ) -> None:
+        """Announce ``indices`` (lying in ``blocks`` of segment ``name``) chunk by chunk, so the
+        client copies chunk k while this side checksums (and stages) chunk k+1."""
+        for span in self.chunks(len(indices), pages.block_nbytes):
+            if copy_from is not None:
+                for src, dst in zip(copy_from[span], blocks[span], strict=True):
+                    pages.copy_block(self.source.pages, src, dst)
+            entries = [
+                BlockEntry(i, lease.hash_at(i), checksum(pages.runs(b)))
+                for i, b in zip(indices[span], blocks[span], strict=True)
+            ]
+            self._corrupt(entries)
+            meta = BatchMeta(
+                dtype_name(self.source.dtype), tuple(self.source.block_shape), entries,
+                name, pages.num_blocks, tuple(blocks[span]),
+            )  # fmt: skip
+            ch.send(Msg.SHM_READY, pack_batch(meta))
+        ch.send(Msg.END)
+
+    def _corrupt(self, entries: list[BlockEntry]) -> None:
+        # The bytes may be the prefill worker's live cache, which a test fault must not touch:
+        # announce a wrong checksum instead, which the client sees exactly like a damaged block.
+        numbers = self.next_block_numbers(len(entries))
         fault = self.config.fault
         if fault is not None and fault.corrupt_block in numbers:
-            raw[fault.corrupt_block - numbers.start, 0] ^= 0xFF
-        return BatchMeta(dtype_name(dtype), shape, entries, segment.name)
+            j = fault.corrupt_block - numbers.start
+            entries[j] = entries[j]._replace(checksum=entries[j].checksum ^ 0xFF)
 
 
 class ShmKVClient(ThreadedKVClient):
     """Pulls blocks from a same-host ``ShmKVServer`` into a ``BlockSink``."""
+
+    def __init__(self, config: TransferConfig) -> None:
+        super().__init__(config)
+        self.maps = SegmentMaps()
 
     def receive(
         self,
@@ -127,54 +147,17 @@ class ShmKVClient(ThreadedKVClient):
         sink: BlockSink,
         dest_block_ids: Sequence[int],
     ) -> int:
-        dtype, shape, per_block = expect_layout(sink)
-        frame = ch.expect(Msg.SHM_READY)
-        meta = unpack_batch(frame.meta)
-        check_batch(meta, dtype, shape, plan.load_indices, plan.hashes)
-        # Map only segments named like ours: belt and braces against an authenticated but
-        # buggy peer pointing us at some other program's memory.
-        if not meta.segment.startswith(DEFAULT_SEGMENT_PREFIX) or "/" in meta.segment:
-            raise ProtocolError(f"peer named an unexpected segment {meta.segment!r}")
-        mapping = _attach(meta.segment, plan.num_blocks * per_block)
-        try:
-            blocks = _tensor_over(mapping, plan.num_blocks, shape, sink.dtype)
-            raw = as_bytes(blocks)
-            for j, entry in enumerate(meta.entries):
-                verify(entry, raw[j])
-            sink.write(dest_block_ids, blocks)
-            del blocks, raw  # the mapping cannot close while views of it exist
-        finally:
-            _close(mapping)
+        self.maps.prune()
+        dst = sink.pages
+        for _, meta, targets in batches(ch, Msg.SHM_READY, plan, sink, dest_block_ids):
+            src = self.maps.pages(meta.segment, dst.rows, meta.segment_blocks, dst.run)
+            for entry, block, target in zip(meta.entries, meta.source_blocks, targets, strict=True):
+                if not 0 <= block < src.num_blocks:
+                    raise ProtocolError(f"peer named block {block} of {src.num_blocks}")
+                dst.copy_block(src, block, target)
+                verify(entry, dst.runs(target))
         ch.send(Msg.SHM_DONE)
-        return plan.num_blocks * per_block
-
-
-def _tensor_over(buf: memoryview | mmap.mmap, n: int, shape: tuple[int, ...], dtype: torch.dtype):
-    count = n * int(torch.Size(shape).numel())
-    return torch.frombuffer(buf, dtype=dtype, count=count).view(n, *shape)
-
-
-def _attach(name: str, size: int) -> mmap.mmap:
-    """Map an existing segment without registering it with this process's resource tracker."""
-    try:
-        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
-    except FileNotFoundError as exc:
-        raise ProtocolError(f"shared-memory segment {name!r} does not exist") from exc
-    try:
-        if os.fstat(fd).st_size < size:
-            raise ProtocolError(f"segment {name!r} is smaller than the {size} bytes announced")
-        # MAP_POPULATE maps every page now, in one call, instead of one fault per 4 KiB page.
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-    finally:
-        os.close(fd)
-
-
-def _close(mapping: mmap.mmap) -> None:
-    try:
-        mapping.close()
-    except BufferError:
-        # A view still exists (only on an error path); the mapping goes when it is collected.
-        pass
+        return plan.num_blocks * dst.block_nbytes
 
 
 class ShmConnector(KVConnector):

@@ -1,11 +1,19 @@
 """The ``tcp`` transport: KV blocks over an authenticated socket, across hosts.
 
-A pull is answered in chunks of about ``chunk_bytes``: the server gathers a chunk of blocks
-into a reused buffer, checksums each block and sends ``BLOCKS`` (descriptors, then the raw
-bytes straight from the buffer), and ends with ``END``. The client ``recv_into``s each
-chunk into its own reused buffer, verifies it and scatters it into the cache. Chunking
-bounds memory on both sides and lets the server gather chunk k+1 while the client scatters
-chunk k.
+A pull is answered in chunks (one block, then doubling up to ``chunk_bytes``): the server
+checksums a chunk's blocks where they lie in its cache and sends ``BLOCKS`` (descriptors,
+then the raw bytes), and ends with ``END``. Neither side copies a block outside the socket:
+the server writes each block's runs straight out of its cache (``sendmsg``), the client
+reads them straight into the blocks it reserved (``recvmsg_into``) and checksums them
+there, one block at a time, while the kernel already buffers the next::
+
+    server                                    client
+    checksum chunk k (in the cache)
+    BLOCKS k: descriptors, runs of the cache ->  recvmsg_into the reserved blocks, verify each
+    checksum chunk k+1 ...                       (the socket buffer holds what comes next)
+    END                                       ->
+
+Encrypted pulls copy each block once more, into a buffer that AES-GCM seals or opens.
 """
 
 from __future__ import annotations
@@ -13,80 +21,53 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from splitserve.transfer.auth import GCM_TAG_BYTES, PayloadCipher, block_aad
 from splitserve.transfer.base import BlockSink, BlockSource, KVConnector
-from splitserve.transfer.client import ThreadedKVClient, expect_layout
+from splitserve.transfer.client import ThreadedKVClient, batches, expect_layout
 from splitserve.transfer.errors import ProtocolError
-from splitserve.transfer.kv_pages import BufferPool, as_bytes, dtype_name
+from splitserve.transfer.kv_pages import PagedBytes, dtype_name
 from splitserve.transfer.lease import Lease, LeaseTable
 from splitserve.transfer.payload import (
     BatchMeta,
     BlockEntry,
-    check_batch,
     checksum,
     pack_batch,
-    unpack_batch,
     verify,
 )
 from splitserve.transfer.scheduler import LoadPlan
 from splitserve.transfer.server import FaultDrop, ThreadedKVServer
 from splitserve.transfer.wire import Channel, Msg
 
+Runs = list[memoryview]  # one block's bytes, as runs of a paged cache
+
 
 class TcpKVServer(ThreadedKVServer):
     """Serves leased blocks over TCP (see the module docstring for the message flow)."""
 
-    buffers = BufferPool()  # shared by every server in the process, like the cores it saves
-
     def serve_pull(
         self, ch: Channel, cipher: PayloadCipher | None, lease: Lease, indices: Sequence[int]
     ) -> None:
-        shape, dtype = tuple(self.source.block_shape), self.source.dtype
-        per_chunk = max(1, self.config.chunk_bytes // _nbytes(shape, dtype))
-        buf = self.buffers.take(min(per_chunk, len(indices)), shape, dtype)
+        pages = self.source.pages
         out = _Outbox(ch, self.config.fault.drop_after_bytes if self.config.fault else None)
-        try:
-            for start in range(0, len(indices), per_chunk):
-                chunk = list(indices[start : start + per_chunk])
-                blocks = buf[: len(chunk)]
-                self.source.read_into([lease.block_ids[i] for i in chunk], blocks)
-                self._send_chunk(out, cipher, lease, chunk, as_bytes(blocks))
-        finally:
-            self.buffers.give_back(buf)
+        for span in self.chunks(len(indices), pages.block_nbytes):
+            chunk = list(indices[span])
+            runs = [pages.runs(lease.block_ids[i]) for i in chunk]
+            entries = [
+                BlockEntry(i, lease.hash_at(i), checksum(r), _nonce(cipher))
+                for i, r in zip(chunk, runs, strict=True)
+            ]
+            corrupt = self._corrupt_position(len(chunk))
+            meta = BatchMeta(dtype_name(self.source.dtype), tuple(self.source.block_shape), entries)
+            per_block = pages.block_nbytes + (GCM_TAG_BYTES if cipher else 0)
+            ch.send_header(Msg.BLOCKS, pack_batch(meta), len(chunk) * per_block)
+            if cipher is None:
+                if corrupt is not None:
+                    runs[corrupt] = [_damaged(runs[corrupt])]  # a copy, never the cache
+                out.send([part for block in runs for part in block])
+            else:
+                _send_sealed(out, cipher, lease.request_id, entries, runs, corrupt)
         ch.send(Msg.END)
-
-    def _send_chunk(
-        self,
-        out: _Outbox,
-        cipher: PayloadCipher | None,
-        lease: Lease,
-        chunk: list[int],
-        raw: np.ndarray,
-    ) -> None:
-        entries = [
-            BlockEntry(
-                i, _hash_at(lease, i), checksum(raw[j]), cipher.new_nonce() if cipher else bytes(12)
-            )
-            for j, i in enumerate(chunk)
-        ]
-        corrupt = self._corrupt_position(len(chunk))
-        if corrupt is not None and cipher is None:
-            raw[corrupt, 0] ^= 0xFF  # our gathered copy, never the cache
-        meta = BatchMeta(dtype_name(self.source.dtype), tuple(self.source.block_shape), entries)
-        tag = GCM_TAG_BYTES if cipher else 0
-        out.ch.send_header(Msg.BLOCKS, pack_batch(meta), len(chunk) * (raw.shape[1] + tag))
-        if cipher is None:
-            out.send(memoryview(raw.reshape(-1)))
-            return
-        sealed = bytearray(raw.shape[1] + tag)
-        for j, entry in enumerate(entries):
-            aad = block_aad(lease.request_id, entry.index, entry.hash)
-            cipher.encrypt_into(entry.nonce, memoryview(raw[j]), aad, sealed)
-            if j == corrupt:
-                sealed[0] ^= 0xFF
-            out.send(memoryview(sealed))
 
     def _corrupt_position(self, n: int) -> int | None:
         numbers = self.next_block_numbers(n)
@@ -96,10 +77,27 @@ class TcpKVServer(ThreadedKVServer):
         return fault.corrupt_block - numbers.start
 
 
+def _send_sealed(
+    out: _Outbox,
+    cipher: PayloadCipher,
+    request_id: str,
+    entries: list[BlockEntry],
+    runs: list[Runs],
+    corrupt: int | None,
+) -> None:
+    plain = bytearray(sum(part.nbytes for part in runs[0]))
+    sealed = bytearray(len(plain) + GCM_TAG_BYTES)
+    for j, (entry, block) in enumerate(zip(entries, runs, strict=True)):
+        _join_into(block, plain)
+        aad = block_aad(request_id, entry.index, entry.hash)
+        cipher.encrypt_into(entry.nonce, memoryview(plain), aad, sealed)
+        if j == corrupt:
+            sealed[0] ^= 0xFF
+        out.send([memoryview(sealed)])
+
+
 class TcpKVClient(ThreadedKVClient):
     """Pulls blocks over TCP into a ``BlockSink``."""
-
-    buffers = BufferPool()
 
     def receive(
         self,
@@ -109,64 +107,44 @@ class TcpKVClient(ThreadedKVClient):
         sink: BlockSink,
         dest_block_ids: Sequence[int],
     ) -> int:
-        held: list[torch.Tensor] = []  # the staging buffer, whatever size it grew to
-        try:
-            return self._receive_chunks(ch, cipher, plan, sink, dest_block_ids, held)
-        finally:
-            for buf in held:
-                self.buffers.give_back(buf)
-
-    def _receive_chunks(
-        self,
-        ch: Channel,
-        cipher: PayloadCipher | None,
-        plan: LoadPlan,
-        sink: BlockSink,
-        dest_block_ids: Sequence[int],
-        held: list[torch.Tensor],
-    ) -> int:
-        dtype, shape, per_block = expect_layout(sink)
-        hashes, pos = plan.hashes, 0
-        while (frame := ch.expect(Msg.BLOCKS, Msg.END)).type is Msg.BLOCKS:
-            meta = unpack_batch(frame.meta)
-            n = len(meta.entries)
-            if n == 0 or pos + n > plan.num_blocks:
-                raise ProtocolError(f"peer sent {n} blocks at {pos} of {plan.num_blocks}")
-            check_batch(meta, dtype, shape, plan.load_indices[pos : pos + n], hashes[pos : pos + n])
-            tag = GCM_TAG_BYTES if cipher else 0
-            if frame.payload_len != n * (per_block + tag):
-                raise ProtocolError(f"BLOCKS payload of {frame.payload_len} bytes for {n} blocks")
-            if not held or held[0].shape[0] < n:
-                if held:
-                    self.buffers.give_back(held.pop())
-                held.append(self.buffers.take(n, shape, sink.dtype))
-            buf = held[0]
-            raw = as_bytes(buf[:n])
-            _recv_blocks(ch, cipher, plan.remote.request_id, meta.entries, raw)
-            for j, entry in enumerate(meta.entries):
-                verify(entry, raw[j])
-            sink.write(dest_block_ids[pos : pos + n], buf[:n])
-            pos += n
-        if pos != plan.num_blocks:
-            raise ProtocolError(f"peer ended the pull after {pos} of {plan.num_blocks} blocks")
-        return pos * per_block
+        per_block = expect_layout(sink)[2] + (GCM_TAG_BYTES if cipher else 0)
+        for frame, meta, targets in batches(ch, Msg.BLOCKS, plan, sink, dest_block_ids):
+            if frame.payload_len != len(targets) * per_block:
+                raise ProtocolError(f"BLOCKS payload of {frame.payload_len} bytes")
+            if cipher is None:
+                _recv_plain(ch, meta.entries, sink.pages, targets)
+            else:
+                _recv_sealed(ch, cipher, plan.remote.request_id, meta.entries, sink.pages, targets)
+        return plan.num_blocks * sink.pages.block_nbytes
 
 
-def _recv_blocks(
+def _recv_plain(
+    ch: Channel, entries: list[BlockEntry], pages: PagedBytes, targets: Sequence[int]
+) -> None:
+    # Straight into the reserved blocks: a block that fails its checksum is never read, the
+    # decode worker frees every reserved block when the pull raises.
+    for entry, block in zip(entries, targets, strict=True):
+        runs = pages.runs(block)
+        ch.recv_into_parts(runs)
+        verify(entry, runs)
+
+
+def _recv_sealed(
     ch: Channel,
-    cipher: PayloadCipher | None,
+    cipher: PayloadCipher,
     request_id: str,
     entries: list[BlockEntry],
-    raw: np.ndarray,
+    pages: PagedBytes,
+    targets: Sequence[int],
 ) -> None:
-    if cipher is None:
-        ch.recv_into(memoryview(raw.reshape(-1)))
-        return
-    sealed = bytearray(raw.shape[1] + GCM_TAG_BYTES)
-    for j, entry in enumerate(entries):
+    sealed = bytearray(pages.block_nbytes + GCM_TAG_BYTES)
+    plain = np.empty(pages.block_nbytes, np.uint8)
+    for entry, block in zip(entries, targets, strict=True):
         ch.recv_into(memoryview(sealed))
         aad = block_aad(request_id, entry.index, entry.hash)
-        cipher.decrypt_into(entry.nonce, memoryview(sealed), aad, memoryview(raw[j]))
+        cipher.decrypt_into(entry.nonce, memoryview(sealed), aad, memoryview(plain))
+        verify(entry, [memoryview(plain)])
+        pages.write_block(block, plain)
 
 
 class _Outbox:
@@ -175,21 +153,36 @@ class _Outbox:
     def __init__(self, ch: Channel, drop_after: int | None) -> None:
         self.ch, self.left = ch, drop_after
 
-    def send(self, data: memoryview) -> None:
-        if self.left is not None and data.nbytes >= self.left:
-            self.ch.send_raw(data[: self.left])
-            raise FaultDrop("drop_after_bytes reached")
-        if self.left is not None:
-            self.left -= data.nbytes
-        self.ch.send_raw(data)
+    def send(self, parts: Runs) -> None:
+        size = sum(part.nbytes for part in parts)
+        if self.left is None or size < self.left:
+            self.left = None if self.left is None else self.left - size
+            self.ch.send_parts(parts)
+            return
+        cut, left = [], self.left
+        for part in parts:
+            cut.append(part[: min(left, part.nbytes)])
+            left -= cut[-1].nbytes
+        self.ch.send_parts(cut)
+        raise FaultDrop("drop_after_bytes reached")
 
 
-def _hash_at(lease: Lease, index: int) -> bytes | None:
-    return lease.hashes[index] if index < len(lease.hashes) else None
+def _nonce(cipher: PayloadCipher | None) -> bytes:
+    return cipher.new_nonce() if cipher else bytes(12)
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return int(torch.Size(shape).numel()) * dtype.itemsize
+def _join_into(parts: Runs, out: bytearray) -> None:
+    offset = 0
+    for part in parts:
+        out[offset : offset + part.nbytes] = part
+        offset += part.nbytes
+
+
+def _damaged(parts: Runs) -> memoryview:
+    data = bytearray(sum(part.nbytes for part in parts))
+    _join_into(parts, data)
+    data[0] ^= 0xFF
+    return memoryview(data)
 
 
 class TcpConnector(KVConnector):

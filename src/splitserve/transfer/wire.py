@@ -8,15 +8,16 @@ Every message is one frame::
     +-------+---------+------+-------+----------+-------------+------+---------+
 
 ``meta`` is small and parsed here; ``payload`` (raw block bytes) is never parsed: the
-receiver ``recv_into``s it straight into a preallocated buffer. Every read is bounded by
-the limits below, so garbage from a peer ends that connection and nothing else.
+receiver reads it straight into its KV cache (``recv_into_parts``), the sender writes it
+straight out of its own (``send_parts``). Every read is bounded by the limits below, so
+garbage from a peer ends that connection and nothing else.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import IntEnum
 from typing import NamedTuple
@@ -24,10 +25,11 @@ from typing import NamedTuple
 from splitserve.transfer.errors import ConnectionDropped, ProtocolError, TransferTimeout
 
 MAGIC = b"SSKV"
-VERSION = 1
+VERSION = 2  # 2: shm batches name a paged segment and a source block per entry
 HEADER = struct.Struct("<4sBBHIQ")
 MAX_META_BYTES = 8 * 2**20
 MAX_PAYLOAD_BYTES = 2**40
+IOV_BATCH = 128  # buffers per sendmsg/recvmsg_into call (Linux allows 1024)
 FLAG_ENCRYPT = 1
 
 
@@ -61,11 +63,22 @@ class Frame(NamedTuple):
 
 
 class Channel:
-    """A framed, blocking socket. Socket failures surface as ``KVTransferError`` subclasses."""
+    """A framed, blocking socket. Socket failures surface as ``KVTransferError`` subclasses.
+
+    The timeout lives in the kernel (``SO_RCVTIMEO``/``SO_SNDTIMEO``: no progress for that
+    long), not in Python's timeout mode, which polls and then makes one non-blocking call:
+    every partial read or write would come back to Python, thousands per pull. Blocking, a
+    vectored send or a ``MSG_WAITALL`` read moves a whole block per system call.
+    """
 
     def __init__(self, sock: socket.socket, timeout_s: float | None) -> None:
         self.sock = sock
-        sock.settimeout(timeout_s)
+        sock.settimeout(None)
+        if timeout_s is not None:
+            usec = max(1, round(timeout_s * 1e6))
+            timeval = struct.pack("@ll", usec // 1_000_000, usec % 1_000_000)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         if _is_tcp(sock):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -87,6 +100,20 @@ class Channel:
     def send_raw(self, data: memoryview) -> None:
         with _socket_errors("sending"):
             self.sock.sendall(data)
+
+    def send_parts(self, parts: Sequence[memoryview]) -> None:
+        """Send ``parts`` back to back with vectored writes (no joining copy)."""
+        with _socket_errors("sending"):
+            _vectored(self.sock.sendmsg, parts, "send")
+
+    def recv_into_parts(self, parts: Sequence[memoryview]) -> None:
+        """Fill ``parts`` exactly, in order, with vectored reads (no intermediate copy)."""
+        with _socket_errors("receiving"):
+            _vectored(
+                lambda views: self.sock.recvmsg_into(views, 0, socket.MSG_WAITALL)[0],
+                parts,
+                "receive",
+            )
 
     def recv_frame(self) -> Frame:
         """Read one frame's header and meta; its payload is left for ``recv_into``."""
@@ -119,7 +146,7 @@ class Channel:
         got, size = 0, view.nbytes
         with _socket_errors("receiving"):
             while got < size:
-                n = self.sock.recv_into(view[got:])
+                n = self.sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
                 if n == 0:
                     raise ConnectionDropped(f"peer closed the connection after {got}/{size} bytes")
                 got += n
@@ -149,10 +176,31 @@ def _socket_errors(doing: str) -> Iterator[None]:
     """Map socket exceptions to transfer errors."""
     try:
         yield
-    except TimeoutError as exc:  # socket.timeout is TimeoutError
+    except (TimeoutError, BlockingIOError) as exc:  # the kernel's timeout gives EAGAIN
         raise TransferTimeout(f"timed out {doing}") from exc
     except OSError as exc:  # ConnectionResetError, BrokenPipeError, ...
         raise ConnectionDropped(f"connection lost while {doing}: {exc}") from exc
+
+
+def _vectored(call: Callable[[list[memoryview]], int], parts: Sequence[memoryview], what: str):
+    """Run ``call`` (``sendmsg`` or ``recvmsg_into``) until every byte of ``parts`` moved.
+
+    A call moves any prefix of the bytes offered (the socket has a timeout, so it is
+    non-blocking underneath): skip the parts done, cut the one it stopped in, go on.
+    """
+    pending, i = [p for p in parts if p.nbytes], 0
+    while i < len(pending):
+        moved = call(pending[i : i + IOV_BATCH])
+        if moved == 0:
+            left = sum(p.nbytes for p in pending[i:])
+            raise ConnectionDropped(f"peer closed the connection with {left} bytes left to {what}")
+        while moved:
+            size = pending[i].nbytes
+            if moved < size:
+                pending[i] = pending[i][moved:]
+                break
+            moved -= size
+            i += 1
 
 
 def _is_tcp(sock: socket.socket) -> bool:

@@ -73,6 +73,12 @@ class DisaggConfig:
                 "(--kv-secret-file or SPLITSERVE_KV_SECRET)"
             )
 
+    @property
+    def shares_kv_cache(self) -> bool:
+        """Whether this worker's KV cache belongs in shared memory: it serves KV over ``shm``,
+        so same-host decode workers copy blocks straight out of it."""
+        return self.transport == "shm" and self.role != "decode" and bool(self.secret)
+
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(
             secret=self.secret, encrypt=self.encrypt, fault=FaultInjection.parse(self.fault)
@@ -103,9 +109,9 @@ class PrefillSide:
         kv = engine.runner.kv_cache
         self._kv_dtype, self._kv_shape = dtype_name(kv.dtype), block_shape(kv)
         connector = get_connector(cfg.transport, cfg.transfer_config())
-        self.server = connector.make_server(
-            KVCacheBlocks(kv), self.leases, cfg.kv_host, cfg.kv_port
-        )
+        segment = engine.runner.kv_segment
+        source = KVCacheBlocks(kv, shm_segment=segment.name if segment is not None else None)
+        self.server = connector.make_server(source, self.leases, cfg.kv_host, cfg.kv_port)
         block_bytes = engine.runner.bytes_per_block
         metrics.kv_blocks_sent.set_function(lambda: self.server.blocks_served)
         metrics.kv_bytes_sent.set_function(lambda: self.server.blocks_served * block_bytes)
