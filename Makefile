@@ -41,6 +41,7 @@ bench-router: $(STAMP)
 
 bench-tiers: $(STAMP)
 	$(BIN)/python benchmarks/kv_tiers.py
+	$(BIN)/python benchmarks/kv_tier_overlap.py
 
 bench-sim: $(STAMP)
 	$(BIN)/python benchmarks/sim_scale.py
