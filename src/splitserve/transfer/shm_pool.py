@@ -15,6 +15,7 @@ If the process dies, ``multiprocessing``'s resource tracker unlinks what it crea
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 from multiprocessing import shared_memory
@@ -41,7 +42,13 @@ class SegmentPool:
                 self._idle.remove(segment)
                 return segment
         name = f"{self.prefix}{secrets.token_hex(8)}"
-        return shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
+        segment = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
+        try:
+            reserve(segment)
+        except OSError:
+            destroy(segment)
+            raise
+        return segment
 
     def give_back(self, segment: shared_memory.SharedMemory, healthy: bool) -> None:
         """Return a lent segment: kept for reuse if the pull succeeded and there is room."""
@@ -63,6 +70,17 @@ class SegmentPool:
             idle, self._idle = self._idle, []
         for segment in idle:
             destroy(segment)
+
+
+def reserve(segment: shared_memory.SharedMemory) -> None:
+    """Allocate every page of a new segment now, so that a full ``/dev/shm`` fails here
+    (``OSError``: the pull fails and the prompt is recomputed) rather than as a SIGBUS when
+    the copy first touches a page the tmpfs cannot provide."""
+    fd = os.open(f"/dev/shm/{segment.name.lstrip('/')}", os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, segment.size)
+    finally:
+        os.close(fd)
 
 
 def destroy(segment: shared_memory.SharedMemory) -> None:
