@@ -155,8 +155,9 @@ class Tiering:
         that one (``LOADING``), out of the queue, so requests behind it are not held up."""
         if self.lower is None or seq.tier_checked:
             return Admission.COMPUTE
-        parent = match.hashes[-1] if match.hashes else seq.root_hash
-        hashes, arriving = self._held_below(seq.token_ids, parent, match.num_blocks)
+        end = self.bm.reusable_blocks(seq.num_tokens)
+        chain = self.bm.chain(seq, end)  # hashed already by the match: nothing is rehashed
+        hashes, arriving = self._held_below(chain.hashes[match.num_blocks : end])
         if arriving is not None and not hashes:
             self._wait_for(seq, arriving)
             return Admission.LOADING
@@ -179,25 +180,21 @@ class Tiering:
         held = len(prefix)
         if self.lower is None:
             return held, 0
-        below, _ = self._held_below(token_ids, hashes[held - 1] if held else root, held)
+        below, _ = self._held_below(hashes[held:])
         copy = self._plan_load(token_ids, below, prefix, None) if below else None
         return held, 0 if copy is None else len(copy.block_ids)
 
-    def _held_below(
-        self, token_ids: list[int], parent: BlockHash, start: int
-    ) -> tuple[list[BlockHash], BlockHash | None]:
-        """Hashes of the reusable blocks from ``start`` on that lower tiers hold, in a row,
-        up to one a load in flight brings already (then also that one's hash)."""
-        bs = self.bm.block_size
-        end = self.bm.reusable_blocks(len(token_ids))
-        hashes = []
-        for h in hash_blocks(token_ids[start * bs : end * bs], parent, bs):
+    def _held_below(self, hashes: list[BlockHash]) -> tuple[list[BlockHash], BlockHash | None]:
+        """Of ``hashes`` (a prompt's next reusable blocks, in order), the leading ones lower
+        tiers hold, up to one a load in flight brings already (then also that one's hash)."""
+        held = []
+        for h in hashes:
             if h in self._arriving:
-                return hashes, h
+                return held, h
             if not self.lower.contains(h):  # type: ignore[union-attr]
                 break
-            hashes.append(h)
-        return hashes, None
+            held.append(h)
+        return held, None
 
     def _wait_for(self, seq: Sequence, block_hash: BlockHash) -> None:
         """Park ``seq`` until the load in flight that brings ``block_hash`` lands."""
