@@ -173,6 +173,7 @@ def _disagg_config(args: argparse.Namespace):
         kv_port=args.kv_port,
         secret=_read_secret(args.kv_secret_file),
         encrypt=args.kv_encrypt,
+        shm_checksums=args.kv_shm_checksums,
         lease_ttl_s=args.kv_lease_ttl,
         failure_policy=args.kv_load_failure_policy,
         fault=args.kv_test_fault,
@@ -208,6 +209,11 @@ def _add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
         help="cluster secret for KV transfers (default: $SPLITSERVE_KV_SECRET)",
     )
     p.add_argument("--kv-encrypt", action="store_true", help="encrypt KV payloads (AES-GCM)")
+    p.add_argument(
+        "--kv-shm-checksums",
+        action="store_true",
+        help="checksum shm transfers too (off: leased blocks cannot change under the copy)",
+    )
     p.add_argument(
         "--kv-lease-ttl",
         type=float,

@@ -71,7 +71,8 @@ def test_wrong_secret_is_refused_and_right_secret_admitted(make_peer, transport:
     [("tcp", False), ("tcp", True), ("shm", False), ("shm-shared", False)],
 )
 def test_corrupted_block_is_detected_once(make_peer, transport: str, encrypt: bool) -> None:
-    peer = make_peer(transport, encrypt=encrypt, fault=FaultInjection(corrupt_block=2))
+    checked = {"shm_checksums": True} if transport.startswith("shm") else {}
+    peer = make_peer(transport, encrypt=encrypt, fault=FaultInjection(corrupt_block=2), **checked)
     plan = plan_all(peer.offer("req-1", [5, 6, 7, 8]))
     sink = KVCacheBlocks(torch.zeros_like(peer.cache))
     with pytest.raises(ChecksumMismatch):
@@ -163,7 +164,7 @@ def test_shm_pool_reuses_one_segment_and_unlinks_it_at_stop(make_peer, shm_prefi
 
 
 def test_shm_failed_pull_never_returns_its_segment_to_the_pool(make_peer, shm_prefix) -> None:
-    peer = make_peer("shm", fault=FaultInjection(corrupt_block=0))
+    peer = make_peer("shm", shm_checksums=True, fault=FaultInjection(corrupt_block=0))
     plan = plan_all(peer.offer("req-1", [1, 2]))
     with pytest.raises(ChecksumMismatch):
         client("shm").pull(plan, KVCacheBlocks(torch.zeros_like(peer.cache)), [0, 1])

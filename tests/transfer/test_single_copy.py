@@ -12,7 +12,15 @@ import threading
 import pytest
 import torch
 
-from splitserve.transfer import ChecksumMismatch, ConnectionDropped, FaultInjection
+from splitserve.transfer import (
+    ChecksumMismatch,
+    ConnectionDropped,
+    FaultInjection,
+    LeaseTable,
+    ProtocolError,
+    TransferConfig,
+    get_connector,
+)
 from splitserve.transfer.kv_pages import KVCacheBlocks, PagedBytes, gather_blocks
 from splitserve.transfer.payload import checksum
 from splitserve.transfer.shm_cache import SharedKVCache
@@ -20,6 +28,7 @@ from splitserve.transfer.wire import Channel
 from tests.transfer.helpers import (
     BLOCK_NBYTES,
     CACHE_SHAPE,
+    SECRET,
     assert_blocks_equal,
     client,
     make_cache,
@@ -48,7 +57,7 @@ def test_shm_copies_straight_out_of_a_shared_cache(make_peer, shm_prefix: str) -
 
 
 def test_shm_corruption_is_caught_without_touching_the_shared_cache(make_peer) -> None:
-    peer = make_peer("shm-shared", fault=FaultInjection(corrupt_block=1))
+    peer = make_peer("shm-shared", shm_checksums=True, fault=FaultInjection(corrupt_block=1))
     before = peer.cache.clone()
     plan = plan_all(peer.offer("req-1", [5, 6, 7]))
     sink = KVCacheBlocks(torch.zeros_like(peer.cache))
@@ -57,6 +66,24 @@ def test_shm_corruption_is_caught_without_touching_the_shared_cache(make_peer) -
     assert torch.equal(peer.cache, before)
     client("shm").pull(plan, sink, [0, 1, 2])
     assert_blocks_equal(peer.cache, [5, 6, 7], sink.kv_cache, [0, 1, 2])
+
+
+@pytest.mark.parametrize("kind", ["shm", "shm-shared"])
+def test_shm_checksums_are_opt_in_and_a_client_that_wants_them_refuses_a_batch_without(
+    make_peer, kind: str
+) -> None:
+    # By default neither side checksums (the lease keeps the blocks still under the copy);
+    # the bytes still arrive exactly. A client asking for checksums refuses such a batch.
+    peer = make_peer(kind)
+    plan = plan_all(peer.offer("req-1", [4, 5, 6]))
+    sink = KVCacheBlocks(torch.zeros_like(peer.cache))
+    with pytest.raises(ProtocolError, match="without checksums"):
+        client("shm", shm_checksums=True).pull(plan, sink, [0, 1, 2])
+    client("shm").pull(plan, sink, [0, 1, 2])
+    assert_blocks_equal(peer.cache, [4, 5, 6], sink.kv_cache, [0, 1, 2])
+    faulty = TransferConfig(SECRET, fault=FaultInjection(corrupt_block=0))
+    with pytest.raises(ValueError, match="needs shm_checksums"):
+        get_connector("shm", faulty).make_server(KVCacheBlocks(make_cache(1)), LeaseTable())
 
 
 def test_map_of_an_unlinked_cache_is_dropped(make_peer) -> None:

@@ -38,6 +38,11 @@ class TransferConfig:
 
     ``secret`` is the cluster secret every peer must prove (HMAC) before any byte moves.
     ``encrypt`` seals block payloads with AES-GCM (either side asking is enough).
+    ``shm_checksums`` makes an ``shm`` server checksum every block it announces, for the
+    client to verify where the block landed. Off by default: shm blocks are read under a
+    checked-out lease, which the prefill engine never rewrites nor expires (``LeaseTable``),
+    and never leave the host, so the check would guard against nothing but a bug, at the
+    price of two more passes over the bytes. (``tcp`` always checksums.)
     ``fault`` is test-only and acts on the serving side.
     """
 
@@ -46,6 +51,7 @@ class TransferConfig:
     connect_timeout_s: float = 5.0
     io_timeout_s: float = 30.0
     chunk_bytes: int = 16 * 2**20
+    shm_checksums: bool = False
     fault: FaultInjection | None = None
 
     def __post_init__(self) -> None:

@@ -15,8 +15,8 @@ class FaultInjection:
     """``corrupt_block``: the N-th block served (0-based, counted over the server's life, so it
     fires once) arrives damaged: tcp flips one byte of it on the wire (a copy, never the
     cache); shm announces a checksum with bits flipped, since its bytes may be the prefill
-    worker's live cache. ``drop_after_bytes``: close the connection once that many block bytes
-    were sent (shm: before announcing any block).
+    worker's live cache (so it needs ``shm_checksums``). ``drop_after_bytes``: close the
+    connection once that many block bytes were sent (shm: before announcing any block).
     ``stall_s``: wait this long before answering a pull (to provoke client timeouts)."""
 
     corrupt_block: int | None = None

@@ -7,27 +7,31 @@ single copy, straight from the leased blocks into the decode worker's reserved b
 
     client                                   server
     PULL(request, positions)            ->
-                                             checksum chunk k where it lies in the cache
-                                        <-   SHM_READY k (cache segment, source blocks,
-    map the cache read-only (kept),            descriptors)
-    copy each block into its reserved        checksum chunk k+1 ...
-    block, verify it there              <-   END
+                                        <-   SHM_READY (cache segment, source blocks)
+    map the cache read-only (kept),     <-   END
+    copy each block into its reserved
+    block
     SHM_DONE                            ->   (the lease stays checked out until here)
 
 A server whose cache is private (on another device, or allocated before the transport was
-chosen) first copies each chunk into a staging segment laid out the same way, from a
-``SegmentPool``, and names that segment instead: two copies, same client.
+chosen) first copies the blocks into a staging segment laid out the same way, from a
+``SegmentPool``, chunk by chunk so that the client copies chunk k while the server stages
+chunk k+1, and names that segment instead: two copies, same client.
 
-The client verifies every block's checksum where it landed, in its own cache: a block that
-changed under the copy (a lease that ran out mid-read) is caught like a damaged one. Payloads
-are never encrypted: they do not leave the host, and segments are mode 0600. Staging
-segments are created and unlinked by the server (``shm_pool.py``), the cache segment by its
-engine; nothing outlives them in ``/dev/shm``.
+No checksums by default: the blocks are read while the server holds their lease checked
+out, and a checked-out lease is never expired, so the prefill engine cannot rewrite them
+under the copy; and they never leave the host. ``TransferConfig.shm_checksums`` asks for
+them anyway: the server then checksums every block (in chunks, pipelined like staging) and
+flags the batches (``FLAG_CHECKSUMS``), and the client verifies each block where it landed;
+a client configured for checksums refuses a batch without them. Payloads are never
+encrypted: they do not leave the host, and segments are mode 0600. Staging segments are
+created and unlinked by the server (``shm_pool.py``), the cache segment by its engine;
+nothing outlives them in ``/dev/shm``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from splitserve.transfer.auth import PayloadCipher
 from splitserve.transfer.base import BlockSink, BlockSource, KVConnector, TransferConfig
@@ -40,7 +44,7 @@ from splitserve.transfer.scheduler import LoadPlan
 from splitserve.transfer.server import FaultDrop, ThreadedKVServer
 from splitserve.transfer.shm_cache import SEGMENT_PREFIX, SegmentMaps
 from splitserve.transfer.shm_pool import DEFAULT_MAX_IDLE_BYTES, SegmentPool
-from splitserve.transfer.wire import Channel, Msg
+from splitserve.transfer.wire import FLAG_CHECKSUMS, Channel, Msg
 
 DEFAULT_SEGMENT_PREFIX = SEGMENT_PREFIX
 
@@ -62,6 +66,9 @@ class ShmKVServer(ThreadedKVServer):
     ) -> None:
         if not segment_prefix.startswith(DEFAULT_SEGMENT_PREFIX) or "/" in segment_prefix:
             raise ValueError(f"segment_prefix must start with {DEFAULT_SEGMENT_PREFIX!r}")
+        if config.fault is not None and config.fault.corrupt_block is not None:
+            if not config.shm_checksums:
+                raise ValueError("the corrupt_block fault needs shm_checksums on an shm server")
         super().__init__(source, leases, config, host, port)
         self.segments = SegmentPool(segment_prefix, max_idle_bytes)
 
@@ -104,22 +111,29 @@ class ShmKVServer(ThreadedKVServer):
         blocks: Sequence[int],
         copy_from: Sequence[int] | None = None,
     ) -> None:
-        """Announce ``indices`` (lying in ``blocks`` of segment ``name``) chunk by chunk, so the
-        client copies chunk k while this side checksums (and stages) chunk k+1."""
-        for span in self.chunks(len(indices), pages.block_nbytes):
+        """Announce ``indices`` (lying in ``blocks`` of segment ``name``): in chunks when this
+        side has work per block (staging, checksums), so the client copies chunk k while this
+        side prepares chunk k+1; else all at once."""
+        checksums = self.config.shm_checksums
+        if copy_from is None and not checksums:
+            spans: Iterable[slice] = [slice(0, len(indices))]
+        else:
+            spans = self.chunks(len(indices), pages.block_nbytes)
+        for span in spans:
             if copy_from is not None:
                 for src, dst in zip(copy_from[span], blocks[span], strict=True):
                     pages.copy_block(self.source.pages, src, dst)
             entries = [
-                BlockEntry(i, lease.hash_at(i), checksum(pages.runs(b)))
+                BlockEntry(i, lease.hash_at(i), checksum(pages.runs(b)) if checksums else 0)
                 for i, b in zip(indices[span], blocks[span], strict=True)
             ]
-            self._corrupt(entries)
+            if checksums:
+                self._corrupt(entries)
             meta = BatchMeta(
                 dtype_name(self.source.dtype), tuple(self.source.block_shape), entries,
                 name, pages.num_blocks, tuple(blocks[span]),
             )  # fmt: skip
-            ch.send(Msg.SHM_READY, pack_batch(meta))
+            ch.send(Msg.SHM_READY, pack_batch(meta), flags=FLAG_CHECKSUMS if checksums else 0)
         ch.send(Msg.END)
 
     def _corrupt(self, entries: list[BlockEntry]) -> None:
@@ -149,13 +163,17 @@ class ShmKVClient(ThreadedKVClient):
     ) -> int:
         self.maps.prune()
         dst = sink.pages
-        for _, meta, targets in batches(ch, Msg.SHM_READY, plan, sink, dest_block_ids):
+        for frame, meta, targets in batches(ch, Msg.SHM_READY, plan, sink, dest_block_ids):
+            checked = bool(frame.flags & FLAG_CHECKSUMS)
+            if self.config.shm_checksums and not checked:
+                raise ProtocolError("peer sent shm blocks without checksums; this side wants them")
             src = self.maps.pages(meta.segment, dst.rows, meta.segment_blocks, dst.run)
             for entry, block, target in zip(meta.entries, meta.source_blocks, targets, strict=True):
                 if not 0 <= block < src.num_blocks:
                     raise ProtocolError(f"peer named block {block} of {src.num_blocks}")
                 dst.copy_block(src, block, target)
-                verify(entry, dst.runs(target))
+                if checked:
+                    verify(entry, dst.runs(target))
         ch.send(Msg.SHM_DONE)
         return plan.num_blocks * dst.block_nbytes
 

@@ -25,12 +25,14 @@ from typing import NamedTuple
 from splitserve.transfer.errors import ConnectionDropped, ProtocolError, TransferTimeout
 
 MAGIC = b"SSKV"
-VERSION = 2  # 2: shm batches name a paged segment and a source block per entry
+VERSION = 3  # 2: shm batches name a paged segment and a source block per entry; 3: shm
+#              batches carry checksums only under FLAG_CHECKSUMS
 HEADER = struct.Struct("<4sBBHIQ")
 MAX_META_BYTES = 8 * 2**20
 MAX_PAYLOAD_BYTES = 2**40
 IOV_BATCH = 128  # buffers per sendmsg/recvmsg_into call (Linux allows 1024)
 FLAG_ENCRYPT = 1
+FLAG_CHECKSUMS = 2  # on SHM_READY: the entries carry block checksums to verify
 
 
 class Msg(IntEnum):

@@ -56,6 +56,7 @@ class DisaggConfig:
     kv_port: int = 0
     secret: bytes = b""
     encrypt: bool = False
+    shm_checksums: bool = False
     lease_ttl_s: float = 30.0
     failure_policy: str = "recompute"
     fault: str | None = None  # test-only, see transfer.faults
@@ -81,7 +82,10 @@ class DisaggConfig:
 
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(
-            secret=self.secret, encrypt=self.encrypt, fault=FaultInjection.parse(self.fault)
+            secret=self.secret,
+            encrypt=self.encrypt,
+            shm_checksums=self.shm_checksums,
+            fault=FaultInjection.parse(self.fault),
         )
 
 
