@@ -58,6 +58,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # default: the model's own limit, bounded by the KV pool
     threads: int | None = None
+    # Split small decode steps' weight products across the threads (models.llama.SplitGemv).
+    # Off until measured a win on a quiet machine (benchmarks/engine_throughput.py part 2).
+    split_gemv: bool = False
     seed: int = 0
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
 

@@ -9,7 +9,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.plan import ScheduledChunk, StepPlan
 from splitserve.models.config import ModelConfig
-from splitserve.models.llama import LlamaForCausalLM
+from splitserve.models.llama import LlamaForCausalLM, SplitGemv, matmul_t
 from splitserve.models.loader import LoadedModel
 
 GREEDY = SamplingParams(temperature=0)
@@ -165,3 +165,32 @@ def test_shared_kv_cache_needs_host_memory():
 
     with pytest.raises(ValueError, match="kv_cache_shm"):
         EngineConfig(device="cuda", kv_cache_shm=True)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7])
+@pytest.mark.parametrize("out", [96, 97])  # 97 columns do not split in two: plain product
+def test_split_gemv_matches_the_plain_product(rows: int, out: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x, w_t = torch.randn(rows, 64, generator=g), torch.randn(64, out, generator=g)
+    before = torch.get_num_threads()
+    with SplitGemv.over(2):
+        split = matmul_t(x, w_t)
+    assert torch.get_num_threads() == before and SplitGemv.parts == 1
+    torch.testing.assert_close(split, x @ w_t, rtol=1e-6, atol=1e-5)
+
+
+def test_small_steps_split_their_products_and_keep_greedy_tokens() -> None:
+    before = torch.get_num_threads()
+    try:
+        runner = ModelRunner(tiny_model(), block_size=4, kv_cache_bytes=64 * 2**10, threads=2)
+        with runner._threads_for(1):
+            assert (SplitGemv.parts, torch.get_num_threads()) == (2, 1)
+        with runner._threads_for(64):
+            assert (SplitGemv.parts, torch.get_num_threads()) == (1, 2)
+        assert SplitGemv.parts == 1
+        prompts = {"a": [5, 9, 3], "b": list(range(1, 12)), "c": [7] * 6}
+        split = greedy_run(runner, prompts, steps=10, together=False)
+        runner.split_gemv = False
+        assert greedy_run(runner, prompts, steps=10, together=False) == split
+    finally:
+        torch.set_num_threads(before)

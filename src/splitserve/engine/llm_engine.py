@@ -54,6 +54,7 @@ class LLMEngine:
             device=config.device,
             threads=config.threads,
             shared_kv=config.kv_cache_shm,
+            split_gemv=config.split_gemv,
         )
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.max_model_len = self._max_model_len()

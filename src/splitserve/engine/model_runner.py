@@ -19,14 +19,17 @@ from splitserve.models.attention import (
     PrefillSpan,
     offset_causal_mask,
 )
+from splitserve.models.llama import SplitGemv
 from splitserve.models.loader import LoadedModel
 from splitserve.transfer.shm_cache import SharedKVCache
 
-# Steps of fewer tokens than this run on one intra-op thread. Their matmuls are GEMVs that
-# MKL runs single-threaded anyway (bandwidth-bound), and every other op is too small to
-# split, so a second OpenMP thread only adds a fork/join per op: on this box a batch-1 decode
-# step took 46 ms at 1 thread and 54-64 ms at 2, and far worse when another process holds
-# the other core. From about 8 rows on, the GEMMs are compute-bound and use the threads.
+# Steps of fewer tokens than this run on one intra-op thread, except for their weight
+# products, which are split across the runner's threads (``SplitGemv``). MKL runs those
+# few-row products on one core whatever the thread count, and every other op of such a step
+# is too small to split, so a second OpenMP thread there only adds a fork/join per op: on this
+# box a batch-1 decode step took 46 ms at 1 thread and 54-64 ms at 2, and far worse when
+# another process holds the other core. From about 8 rows on, the GEMMs are compute-bound and
+# use the threads themselves.
 SMALL_STEP_TOKENS = 8
 
 # Decodes are attended in groups of this many sequences. Each layer gathers a group's pages
@@ -67,6 +70,7 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         threads: int | None = None,
         shared_kv: bool = False,
+        split_gemv: bool = True,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -75,6 +79,7 @@ class ModelRunner:
         if threads is not None:
             self.set_threads(threads)
         self.threads = torch.get_num_threads()
+        self.split_gemv = split_gemv
         self.model, self.config = loaded.model, loaded.config
         self.device = torch.device(device)
         self.block_size = block_size
@@ -143,12 +148,15 @@ class ModelRunner:
 
     @contextmanager
     def _threads_for(self, num_tokens: int) -> Iterator[None]:
-        """One intra-op thread for small steps (see ``SMALL_STEP_TOKENS``), ``threads``
-        otherwise; restores the process-wide setting afterwards."""
+        """One intra-op thread for small steps (see ``SMALL_STEP_TOKENS``) but their weight
+        products split over ``threads``; ``threads`` otherwise. Restores the process-wide
+        setting afterwards."""
+        small = num_tokens < SMALL_STEP_TOKENS
         before = torch.get_num_threads()
-        torch.set_num_threads(1 if num_tokens < SMALL_STEP_TOKENS else self.threads)
+        torch.set_num_threads(1 if small else self.threads)
         try:
-            yield
+            with SplitGemv.over(self.threads if small and self.split_gemv else 1):
+                yield
         finally:
             torch.set_num_threads(before)
 

@@ -7,7 +7,8 @@ fused into one matrix each at load time, so a layer runs three matmuls plus the 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -17,13 +18,55 @@ from splitserve.models.attention import AttentionContext, paged_attention, write
 from splitserve.models.config import ModelConfig
 
 
+class SplitGemv:
+    """How many cores a few-row product (a small decode step) is split over.
+
+    MKL runs ``x @ W^T`` for a handful of rows on one core whatever torch's thread count, so a
+    small decode step reads its weights at one core's bandwidth. Split in ``parts`` column
+    blocks (a strided view of ``W^T``, no copy), the same product is a batched matmul that
+    torch spreads over the cores, one block each; the model runner turns this on, with the
+    threads, only around those products and keeps every other (tiny) op of a small step on
+    one thread, where an OpenMP fork/join would cost more than the op. Each output element is
+    the same dot product as unsplit; MKL may block its sum differently for some row counts
+    (as it already does between a row alone and in a batch), so results agree to rounding.
+    """
+
+    parts = 1  # process-wide, like torch's thread count; set by the model runner
+
+    @classmethod
+    @contextmanager
+    def over(cls, parts: int) -> Iterator[None]:
+        before, cls.parts = cls.parts, parts
+        try:
+            yield
+        finally:
+            cls.parts = before
+
+
+def matmul_t(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """``x @ w_t`` for a contiguous ``w_t`` ``[in, out]``, split across cores per
+    ``SplitGemv`` when that is on and the columns divide evenly."""
+    parts, (rows, out) = SplitGemv.parts, (x.shape[0], w_t.shape[1])
+    if parts == 1 or out % parts:
+        return torch.matmul(x, w_t)
+    cols = w_t.view(w_t.shape[0], parts, out // parts).transpose(0, 1)  # [parts, in, out/p]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(parts)
+    try:
+        y = torch.matmul(x, cols)
+    finally:
+        torch.set_num_threads(threads)
+    return y.transpose(0, 1).reshape(rows, out)
+
+
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with uninitialised parameters: the loader fills every one.
 
     ``weight`` has HF's shape ``[out, in]`` (the loader copies into it unchanged) but lives in
     memory as ``[in, out]``, i.e. column-major: then ``W^T`` is contiguous and MKL's small-M
     GEMM, which decode runs, streams it about 1.3x faster than the row-major layout. Large-M
-    (prefill) GEMMs run at the same speed either way.
+    (prefill) GEMMs run at the same speed either way. Small steps may split it across cores
+    (``SplitGemv``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
@@ -38,7 +81,10 @@ class Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if SplitGemv.parts == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = matmul_t(x, self.weight.t())
+        return y if self.bias is None else y.add_(self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -199,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, vocab]`` float32 logits for ``[N, hidden]`` states."""
-        return torch.matmul(hidden, self.lm_head_t).float()
+        return matmul_t(hidden, self.lm_head_t).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...) into the
