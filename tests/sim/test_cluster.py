@@ -53,6 +53,36 @@ def test_bulk_decode_gives_the_timings_of_exact_stepping(dep, kv_gb):
     assert sum(w.steps for w in fast_cluster.workers) < sum(w.steps for w in exact_cluster.workers)
 
 
+def test_decode_runs_cut_by_kv_pulls_keep_the_per_token_timings_of_exact_stepping():
+    """Disaggregated, the decode worker's runs of decode steps are cut short by the KV
+    pulls' engine calls and by admissions; every request's TTFT, inter-token gaps (TPOT),
+    E2E, cached tokens and the goodput stay those of stepping one step at a time."""
+    workload = AgenticConfig(seed=5)
+    dep = Deployment(prefill=1, decode=1)
+    fast_cluster, fast = run(config(record_itl=True), dep, workload, 12.0, 50)
+    exact_cluster, exact = run(config(record_itl=True, exact=True), dep, workload, 12.0, 50)
+    assert fast_cluster.stats.remote_prefills > 100
+    a = {(r.session_id, r.turn): r for r in fast}
+    b = {(r.session_id, r.turn): r for r in exact}
+    assert a.keys() == b.keys() and all(r.ok for r in fast)
+    for key, r in a.items():
+        e = b[key]
+        assert (r.output_tokens, r.cached_tokens) == (e.output_tokens, e.cached_tokens), key
+        assert [r.ttft_s, r.e2e_s] == pytest.approx([e.ttft_s, e.e2e_s], rel=1e-9), key
+        assert r.itl_s == pytest.approx(e.itl_s, rel=1e-9), key
+    slo = dict(ttft_s=0.036, tpot_s=0.008)  # about the medians: the SLO splits the requests
+    assert 0 < goodput(fast, **slo) == goodput(exact, **slo) < len(fast)
+    decode = [w for w in fast_cluster.workers if w in fast_cluster.decode_pool]
+    assert sum(w.steps for w in decode) < sum(w.engine.steps for w in decode) / 2  # in bulk
+
+
+def goodput(records, ttft_s: float, tpot_s: float) -> int:
+    return sum(
+        r.ok and r.ttft_s <= ttft_s and (r.e2e_s - r.ttft_s) / (r.output_tokens - 1) <= tpot_s
+        for r in records
+    )
+
+
 @pytest.mark.parametrize("dep", [COLLOCATED, DISAGG], ids=["collocated", "disagg"])
 def test_every_request_completes_or_is_counted_rejected(dep):
     # A 0.25 GiB pool holds 2048 tokens: longer agentic turns are rejected, the rest preempt.

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from splitserve.bench.metrics import RequestRecord
 from splitserve.bench.workloads import SessionSpec
-from splitserve.common.kv_hash import BlockChain, root_hash
+from splitserve.common.kv_hash import BlockChain, BlockHash, root_hash
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerConfig
 from splitserve.engine.sequence import Sequence
@@ -218,7 +218,9 @@ class Cluster:
         home = self.decode_policy.home_worker(self._decode_candidates, req.info)
         return new_tokens if home is d.router else len(req.prompt)
 
-    def _sequence(self, rid: str, req: _Request, max_tokens: int, keep_blocks=False):
+    def _sequence(
+        self, rid: str, req: _Request, max_tokens: int, keep_blocks: bool = False
+    ) -> Sequence:
         params = self._params.get(max_tokens)
         if params is None:
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -317,6 +319,7 @@ class Cluster:
         p.router.in_flight -= 1
         self.prefill_policy.on_request_complete(p.router, req.info)
         d = req.decode
+        assert d is not None, "a prefilled request has its decode worker"
         d.router.in_flight += 1
         leg = self.config.hardware.remote_leg_s
         self.events.at(
@@ -353,7 +356,16 @@ class Cluster:
             lambda _: self._on_engine(d, lambda: self._pulled(req, p, d, kept, dest, loaded, hits)),
         )
 
-    def _pulled(self, req, p, d, kept, dest, loaded, start) -> None:
+    def _pulled(
+        self,
+        req: _Request,
+        p: SimWorker,
+        d: SimWorker,
+        kept: Sequence,
+        dest: list[int],
+        loaded: list[BlockHash],
+        start: int,
+    ) -> None:
         d.engine.block_manager.register(dest, loaded, req.prompt, start)
         d.engine.blocks_released()
         self._release_lease(p, kept)

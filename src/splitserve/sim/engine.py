@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.plan import StepPlan, StepResult
-from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
 from splitserve.engine.sequence import Sequence
 from splitserve.sim.cost_model import CostModel, DecodeLine, StepShape, largest_within
 from splitserve.sim.step_log import StepLog
@@ -56,7 +57,7 @@ class SimEngine:
         config: SchedulerConfig,
         num_blocks: int,
         block_size: int,
-        outputs: Callable[[str], list[int]],
+        outputs: Callable[[str], Sequence_[int]],
         exact: bool = False,
         log_steps: bool = False,
     ) -> None:
@@ -142,6 +143,7 @@ class SimEngine:
             self._advance(self.steps + steps, report)
             return report
         plan, self._plan = self._plan, None
+        assert plan is not None, "end() without a begun step"
         if self.step_log is not None:
             self.step_log.add_step(self.steps, self._duration)
         self._advance(self.steps + 1, report)
@@ -179,7 +181,7 @@ class SimEngine:
         )
         return plan
 
-    def _update_tail(self, plan: StepPlan):
+    def _update_tail(self, plan: StepPlan) -> list[SequenceUpdate]:
         s, n = self.scheduler, self._n_dec
         head, s.running = s.running[:n], s.running[n:]
         try:

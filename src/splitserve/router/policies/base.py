@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from splitserve.router.worker import LoadReport, Worker
 
@@ -34,7 +35,7 @@ class RoutingPolicy(ABC):
     The two hooks are optional (most policies read loads straight off the workers).
     """
 
-    name: str = ""
+    name: ClassVar[str] = ""  # the registry key; a class attribute, also when compiled
 
     @abstractmethod
     def select_worker(self, workers: Sequence[Worker], info: RequestInfo) -> Worker | None:
