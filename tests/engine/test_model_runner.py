@@ -185,6 +185,8 @@ def test_small_steps_split_their_products_and_keep_greedy_tokens() -> None:
         runner = ModelRunner(tiny_model(), block_size=4, kv_cache_bytes=64 * 2**10, threads=2)
         with runner._threads_for(1):
             assert (SplitGemv.parts, torch.get_num_threads()) == (2, 1)
+        with runner._threads_for(32):
+            assert (SplitGemv.parts, torch.get_num_threads()) == (2, 2)
         with runner._threads_for(64):
             assert (SplitGemv.parts, torch.get_num_threads()) == (1, 2)
         assert SplitGemv.parts == 1

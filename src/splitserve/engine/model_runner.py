@@ -31,6 +31,9 @@ from splitserve.transfer.shm_cache import SharedKVCache
 # another process holds the other core. From about 8 rows on, the GEMMs are compute-bound and
 # use the threads themselves.
 SMALL_STEP_TOKENS = 8
+# Steps of at most this many tokens split their weight products (SplitGemv): up to here
+# MKL's GEMM leaves a core idle for a product this narrow (benchmarks/gemv_split.py).
+SPLIT_GEMV_MAX_TOKENS = 32
 
 # Decodes are attended in groups of this many sequences. Each layer gathers a group's pages
 # into one padded buffer and SDPA reads it right back: for 4 sequences of up to ~1k tokens
@@ -148,14 +151,15 @@ class ModelRunner:
 
     @contextmanager
     def _threads_for(self, num_tokens: int) -> Iterator[None]:
-        """One intra-op thread for small steps (see ``SMALL_STEP_TOKENS``) but their weight
-        products split over ``threads``; ``threads`` otherwise. Restores the process-wide
-        setting afterwards."""
+        """One intra-op thread for small steps (see ``SMALL_STEP_TOKENS``), ``threads``
+        otherwise; weight products of steps up to ``SPLIT_GEMV_MAX_TOKENS`` split over
+        ``threads``. Restores the process-wide setting afterwards."""
         small = num_tokens < SMALL_STEP_TOKENS
+        split = self.split_gemv and num_tokens <= SPLIT_GEMV_MAX_TOKENS
         before = torch.get_num_threads()
         torch.set_num_threads(1 if small else self.threads)
         try:
-            with SplitGemv.over(self.threads if small and self.split_gemv else 1):
+            with SplitGemv.over(self.threads if split else 1):
                 yield
         finally:
             torch.set_num_threads(before)
