@@ -6,7 +6,6 @@ import hmac
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -20,6 +19,7 @@ from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import make_policy
 from splitserve.router.proxy import Proxy
 from splitserve.router.ring import DEFAULT_VNODES
+from splitserve.router.upstream import Upstream
 from splitserve.router.worker import ROLES, Worker, healthy_workers
 
 
@@ -35,12 +35,12 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = _client(config)
+        upstream = Upstream(config)
         probe_headers = (
             {"authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else None
         )
         checker = HealthChecker(
-            client,
+            upstream.clients[0],
             membership.all,
             membership.report,
             config.health_interval_s,
@@ -52,7 +52,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             membership,
             _policy(config, config.policy),
             _policy(config, config.prefill_policy),
-            client,
+            upstream,
             metrics,
         )
         checker.start()
@@ -60,7 +60,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             yield
         finally:
             await checker.stop()
-            await client.aclose()
+            await upstream.aclose()
 
     app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.membership = membership
@@ -70,17 +70,6 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.include_router(_api_routes(state), dependencies=[Depends(_auth(config.api_key))])
     app.include_router(_admin_routes(membership), dependencies=[Depends(_admin(config))])
     return app
-
-
-def _client(config: RouterConfig) -> httpx.AsyncClient:
-    # One pool for all workers: keep-alive connections make the added latency a hop, not a
-    # handshake. No total deadline: a long generation streams for as long as it needs.
-    timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
-    limits = httpx.Limits(
-        max_connections=config.max_connections,
-        max_keepalive_connections=config.max_keepalive_connections,
-    )
-    return httpx.AsyncClient(timeout=timeout, limits=limits)
 
 
 def _policy(config: RouterConfig, name: str):

@@ -40,6 +40,7 @@ from splitserve.router.migration import (
 from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.policies.session import SyncedRing
 from splitserve.router.session import prefix_key, session_key
+from splitserve.router.upstream import Upstream
 from splitserve.router.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -93,13 +94,13 @@ class Proxy:
         membership: Membership,
         decode: RoutingPolicy,
         prefill: RoutingPolicy,
-        client: httpx.AsyncClient,
+        upstream: Upstream,
         metrics: RouterMetrics,
     ) -> None:
         self.config = config
         self.membership = membership
         self.policies = {"decode": decode, "prefill": prefill}
-        self.client = client
+        self.upstream = upstream
         self.metrics = metrics
         self._home_ring = SyncedRing(config.vnodes)  # over all decode members, healthy or not
         self._hints: set[asyncio.Future] = set()
@@ -141,7 +142,7 @@ class Proxy:
 
         async def send() -> None:
             try:
-                await self.client.post(
+                await self.upstream.pick().post(
                     worker.url + "/v1/kv/prefetch", json=body, headers=headers, timeout=5.0
                 )
             except httpx.HTTPError as e:
@@ -225,9 +226,8 @@ class Proxy:
     ) -> Response:
         role = "decode"
         self.metrics.requests.labels(worker.url, role).inc()
-        request = self.client.build_request(
-            method, worker.url + path, content=payload, headers=headers
-        )
+        client = self.upstream.pick()
+        request = client.build_request(method, worker.url + path, content=payload, headers=headers)
         worker.in_flight += 1
         started = time.perf_counter()
         upstream: httpx.Response | None = None
@@ -246,7 +246,7 @@ class Proxy:
             self.policies[role].on_request_complete(worker, placement.info)
 
         try:
-            upstream = await self.client.send(request, stream=True)
+            upstream = await client.send(request, stream=True)
             self.metrics.latency.observe(time.perf_counter() - started)
             if upstream.status_code >= 500:
                 raise WorkerFailed(f"HTTP {upstream.status_code}")
@@ -333,10 +333,9 @@ class Proxy:
         worker.in_flight += 1
         try:
             url = worker.url + "/v1/completions"
-            request = self.client.build_request(
-                "POST", url, content=payload, headers=placement.headers
-            )
-            upstream = await self.client.send(request, stream=True)
+            client = self.upstream.pick()
+            request = client.build_request("POST", url, content=payload, headers=placement.headers)
+            upstream = await client.send(request, stream=True)
             try:
                 if upstream.status_code != 200:
                     raise WorkerFailed(f"HTTP {upstream.status_code} on resume")
@@ -354,7 +353,7 @@ class Proxy:
         """The worker's context length, needed only when the client set no ``max_tokens``."""
         if stream.max_tokens is not None:
             return None
-        r = await self.client.get(worker.url + "/v1/models", headers=placement.headers)
+        r = await self.upstream.pick().get(worker.url + "/v1/models", headers=placement.headers)
         if r.status_code != 200:
             raise WorkerFailed(f"HTTP {r.status_code} from /v1/models")
         return int(r.json()["data"][0]["max_model_len"])
@@ -381,7 +380,7 @@ class Proxy:
         self.metrics.requests.labels(worker.url, "prefill").inc()
         params = None
         try:
-            r = await self.client.post(worker.url + path, content=payload, headers=headers)
+            r = await self.upstream.pick().post(worker.url + path, content=payload, headers=headers)
             if r.status_code >= 500:
                 raise WorkerFailed(f"HTTP {r.status_code}")
             params = disagg.accepted_params(r.json()) if r.status_code == 200 else None
