@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from splitserve.router import upstream
 from splitserve.router.config import RouterConfig
 from splitserve.router.errors import RouterError
 from splitserve.router.health import HealthChecker
@@ -19,7 +20,6 @@ from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import make_policy
 from splitserve.router.proxy import Proxy
 from splitserve.router.ring import DEFAULT_VNODES
-from splitserve.router.upstream import Upstream
 from splitserve.router.worker import ROLES, Worker, healthy_workers
 
 
@@ -35,12 +35,13 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        upstream = Upstream(config)
+        client = upstream.session(config)
+        probes = upstream.probe_client(config)
         probe_headers = (
             {"authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else None
         )
         checker = HealthChecker(
-            upstream.clients[0],
+            probes,
             membership.all,
             membership.report,
             config.health_interval_s,
@@ -52,7 +53,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             membership,
             _policy(config, config.policy),
             _policy(config, config.prefill_policy),
-            upstream,
+            client,
             metrics,
         )
         checker.start()
@@ -60,7 +61,8 @@ def create_app(config: RouterConfig) -> FastAPI:
             yield
         finally:
             await checker.stop()
-            await upstream.aclose()
+            await client.close()
+            await probes.aclose()
 
     app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.membership = membership
