@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import signal
@@ -38,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+import aiohttp
 import httpx
 import psutil
 
@@ -45,6 +47,8 @@ from splitserve.cluster.local import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ECHO_WORKER = ROOT / "tests" / "router" / "fake_worker.py"
+_JSON = {"content-type": "application/json"}
+_NO_DEADLINE = aiohttp.ClientTimeout(total=None, sock_read=120.0)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -196,36 +200,33 @@ class Run(NamedTuple):
     rps: float
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> Timing:
+async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes) -> Timing:
     start = time.perf_counter()
     first = None
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+    async with session.post(url + "/v1/chat/completions", data=body, headers=_JSON) as r:
         r.raise_for_status()
-        async for _ in r.aiter_raw():
+        async for _ in r.content.iter_any():
             if first is None:
                 first = time.perf_counter() - start
     return Timing(time.perf_counter() - start, first or 0.0)
 
 
 async def load_run(url: str, clients: int, requests: int, body: dict) -> Run:
-    # One client (one connection) per simulated user: httpx's pool walks all of its
-    # connections on every request, so one shared pool would make the load generator, not
-    # the path under test, the bottleneck.
-    tls = httpx.create_ssl_context()
-    pool = [httpx.AsyncClient(timeout=120.0, verify=tls) for _ in range(clients)]
-    try:
-        await asyncio.gather(*(one_stream(c, url, body) for c in pool))  # warm-up
+    # aiohttp, as the router uses: the load generator shares a core with the worker and must
+    # cost little per streamed chunk, or it, not the path under test, sets the latencies.
+    connector = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=connector, timeout=_NO_DEADLINE) as session:
+        await asyncio.gather(
+            *(one_stream(session, url, json.dumps(body).encode()) for _ in range(clients))
+        )  # warm-up
 
         async def client_loop(i: int) -> list[Timing]:
-            b = {**body, "user": f"client-{i}"}
-            return [await one_stream(pool[i], url, b) for _ in range(requests)]
+            b = json.dumps({**body, "user": f"client-{i}"}).encode()
+            return [await one_stream(session, url, b) for _ in range(requests)]
 
         start = time.perf_counter()
         results = await asyncio.gather(*(client_loop(i) for i in range(clients)))
         elapsed = time.perf_counter() - start
-    finally:
-        for c in pool:
-            await c.aclose()
     timings = [x for r in results for x in r]
     return Run(timings, len(timings) / elapsed)
 
@@ -318,8 +319,6 @@ async def ttft(
             if line.startswith("data: {") and first is None:
                 first = time.perf_counter() - start
             if line.startswith("data: {") and '"content"' in line:
-                import json
-
                 delta = json.loads(line[6:])["choices"][0].get("delta", {})
                 text.append(delta.get("content") or "")
     return first or 0.0, "".join(text)
