@@ -6,12 +6,12 @@ import hmac
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from splitserve.router import upstream
 from splitserve.router.config import RouterConfig
 from splitserve.router.errors import RouterError
 from splitserve.router.health import HealthChecker
@@ -35,12 +35,13 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = _client(config)
+        client = upstream.session(config)
+        probes = upstream.probe_client(config)
         probe_headers = (
             {"authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else None
         )
         checker = HealthChecker(
-            client,
+            probes,
             membership.all,
             membership.report,
             config.health_interval_s,
@@ -60,7 +61,8 @@ def create_app(config: RouterConfig) -> FastAPI:
             yield
         finally:
             await checker.stop()
-            await client.aclose()
+            await client.close()
+            await probes.aclose()
 
     app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.membership = membership
@@ -70,17 +72,6 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.include_router(_api_routes(state), dependencies=[Depends(_auth(config.api_key))])
     app.include_router(_admin_routes(membership), dependencies=[Depends(_admin(config))])
     return app
-
-
-def _client(config: RouterConfig) -> httpx.AsyncClient:
-    # One pool for all workers: keep-alive connections make the added latency a hop, not a
-    # handshake. No total deadline: a long generation streams for as long as it needs.
-    timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
-    limits = httpx.Limits(
-        max_connections=config.max_connections,
-        max_keepalive_connections=config.max_keepalive_connections,
-    )
-    return httpx.AsyncClient(timeout=timeout, limits=limits)
 
 
 def _policy(config: RouterConfig, name: str):

@@ -45,7 +45,9 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
     max_connections: int = 1024
-    max_keepalive_connections: int = 256
+    # Below the workers' keep-alive timeout (uvicorn's default: 5 s), so the router retires an
+    # idle connection before the worker may close it under a request being sent on it.
+    keepalive_expiry_s: float = 2.0
     # Conditional disaggregation: a remote prefill only when the uncached part of the prompt
     # (estimated at chars_per_token, since the router does not tokenize) reaches the threshold.
     disaggregate: bool = False  # `splitserve serve --prefill N` turns it on
@@ -63,7 +65,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be one of {known}, got {getattr(self, name)!r}")
         if self.load_factor < 1.0:
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
-        positive = ("vnodes", "failure_threshold", "prefix_chars")
+        positive = ("vnodes", "failure_threshold", "prefix_chars", "max_connections")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -75,6 +77,7 @@ class RouterConfig:
             "health_timeout_s",
             "connect_timeout_s",
             "read_timeout_s",
+            "keepalive_expiry_s",
             "chars_per_token",
         ):
             if not getattr(self, name) > 0:

@@ -19,10 +19,11 @@ straddles the resume point is not seen, and seeded sampling does not replay the 
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 DONE = b"data: [DONE]\n\n"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the workers' default for /v1/completions
@@ -171,7 +172,10 @@ class StreamRelay:
             return DONE
         if not line.startswith(b"data:"):
             return event + b"\n\n"  # a comment or another field: not ours to interpret
-        chunk = json.loads(line[5:])
+        # orjson: every streamed token of every request passes here (3x the stdlib's speed).
+        # Only the worker's own chunks go through it, never a client's body, whose integers
+        # past 64 bits orjson would turn into floats.
+        chunk = orjson.loads(line[5:])
         if "error" in chunk or not isinstance(chunk.get("choices"), list):
             return event + b"\n\n"  # the worker reports an error in-band: pass it on
         return self._resumed(chunk) if self.resumed else self._first(chunk)
@@ -258,6 +262,4 @@ class StreamRelay:
 
 
 def _sse(chunk: dict[str, Any]) -> bytes:
-    return (
-        b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-    )
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"

@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -40,6 +40,7 @@ from splitserve.router.migration import (
 from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.policies.session import SyncedRing
 from splitserve.router.session import prefix_key, session_key
+from splitserve.router.upstream import UPSTREAM_ERRORS
 from splitserve.router.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 DECODE_HEADER = "X-Splitserve-Decode-Worker"
 PREFILL_HEADER = "X-Splitserve-Prefill-Worker"
 _PASSED_RESPONSE_HEADERS = ("content-type", "content-encoding", "cache-control")
+_HINT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 
 
 class WorkerFailed(Exception):
@@ -93,7 +95,7 @@ class Proxy:
         membership: Membership,
         decode: RoutingPolicy,
         prefill: RoutingPolicy,
-        client: httpx.AsyncClient,
+        client: aiohttp.ClientSession,
         metrics: RouterMetrics,
     ) -> None:
         self.config = config
@@ -141,10 +143,12 @@ class Proxy:
 
         async def send() -> None:
             try:
-                await self.client.post(
-                    worker.url + "/v1/kv/prefetch", json=body, headers=headers, timeout=5.0
-                )
-            except httpx.HTTPError as e:
+                url = worker.url + "/v1/kv/prefetch"
+                async with self.client.post(
+                    url, data=json.dumps(body), headers=headers, timeout=_HINT_TIMEOUT
+                ) as r:
+                    await r.read()
+            except UPSTREAM_ERRORS as e:
                 log.debug("prefetch hint to %s failed: %r", worker.url, e)
 
         task = asyncio.ensure_future(send())
@@ -225,12 +229,9 @@ class Proxy:
     ) -> Response:
         role = "decode"
         self.metrics.requests.labels(worker.url, role).inc()
-        request = self.client.build_request(
-            method, worker.url + path, content=payload, headers=headers
-        )
         worker.in_flight += 1
         started = time.perf_counter()
-        upstream: httpx.Response | None = None
+        upstream: aiohttp.ClientResponse | None = None
 
         closed = False
 
@@ -241,27 +242,29 @@ class Proxy:
                 return
             closed = True
             if upstream is not None:
-                await upstream.aclose()
+                upstream.release()  # back to the pool when fully read, else closed
             worker.in_flight -= 1
             self.policies[role].on_request_complete(worker, placement.info)
 
         try:
-            upstream = await self.client.send(request, stream=True)
+            upstream = await self.client.request(
+                method, worker.url + path, data=payload, headers=headers
+            )
             self.metrics.latency.observe(time.perf_counter() - started)
-            if upstream.status_code >= 500:
-                raise WorkerFailed(f"HTTP {upstream.status_code}")
-            if not stream or upstream.status_code >= 400:
-                content = await upstream.aread()
+            if upstream.status >= 500:
+                raise WorkerFailed(f"HTTP {upstream.status}")
+            if not stream or upstream.status >= 400:
+                content = await upstream.read()
                 self._succeeded(worker, role, placement)
                 await close_once()
                 return Response(
-                    content, upstream.status_code, self._headers(upstream, worker, placement)
+                    content, upstream.status, self._headers(upstream, worker, placement)
                 )
-            chunks = upstream.aiter_raw()
+            chunks = upstream.content.iter_any()
             first = await anext(chunks, b"")
             if not first:
                 raise WorkerFailed("the stream ended before its first byte")
-        except (httpx.HTTPError, WorkerFailed) as e:
+        except (*UPSTREAM_ERRORS, WorkerFailed) as e:
             await close_once()
             self._failed(worker, role, e)
             raise e if isinstance(e, WorkerFailed) else WorkerFailed(repr(e)) from e
@@ -274,7 +277,7 @@ class Proxy:
         return RelayResponse(
             relay,
             close_once,
-            status_code=upstream.status_code,
+            status_code=upstream.status,
             headers=self._headers(upstream, worker, placement),
         )
 
@@ -286,7 +289,7 @@ class Proxy:
             async for out in placement.relay.relay(_raw(first, chunks)):
                 yield out
             return
-        except (httpx.HTTPError, IncompleteStream, ValueError) as e:
+        except (*UPSTREAM_ERRORS, IncompleteStream, ValueError) as e:
             # The client already has part of the answer: resume it elsewhere, not retry it.
             self._failed(worker, "decode", e)
             self.metrics.midstream_failures.inc()
@@ -317,33 +320,30 @@ class Proxy:
                 async with self._leg(worker, payload, placement) as upstream:
                     # SSE comments are ignored by clients; this one helps debugging and tests.
                     yield f": splitserve migrated to {worker.url}\n\n".encode()
-                    async for out in relay.relay(upstream.aiter_raw()):
+                    async for out in relay.relay(upstream.content.iter_any()):
                         yield out
                 return
-            except (httpx.HTTPError, IncompleteStream, ValueError, WorkerFailed) as e:
+            except (*UPSTREAM_ERRORS, IncompleteStream, ValueError, WorkerFailed) as e:
                 self._failed(worker, "decode", e)
         yield _error_event("the decode worker failed mid-stream and no worker could resume it")
 
     @asynccontextmanager
     async def _leg(
         self, worker: Worker, payload: bytes, placement: Placement
-    ) -> AsyncIterator[httpx.Response]:
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
         """One resumed leg's upstream stream, counted in the worker's load while it runs."""
         self.metrics.requests.labels(worker.url, "decode").inc()
         worker.in_flight += 1
         try:
             url = worker.url + "/v1/completions"
-            request = self.client.build_request(
-                "POST", url, content=payload, headers=placement.headers
-            )
-            upstream = await self.client.send(request, stream=True)
+            upstream = await self.client.post(url, data=payload, headers=placement.headers)
             try:
-                if upstream.status_code != 200:
-                    raise WorkerFailed(f"HTTP {upstream.status_code} on resume")
+                if upstream.status != 200:
+                    raise WorkerFailed(f"HTTP {upstream.status} on resume")
                 self.membership.report(worker.url, ok=True)
                 yield upstream
             finally:
-                await upstream.aclose()
+                upstream.release()
         finally:
             worker.in_flight -= 1
             self.policies["decode"].on_request_complete(worker, placement.info)
@@ -354,10 +354,10 @@ class Proxy:
         """The worker's context length, needed only when the client set no ``max_tokens``."""
         if stream.max_tokens is not None:
             return None
-        r = await self.client.get(worker.url + "/v1/models", headers=placement.headers)
-        if r.status_code != 200:
-            raise WorkerFailed(f"HTTP {r.status_code} from /v1/models")
-        return int(r.json()["data"][0]["max_model_len"])
+        async with self.client.get(worker.url + "/v1/models", headers=placement.headers) as r:
+            if r.status != 200:
+                raise WorkerFailed(f"HTTP {r.status} from /v1/models")
+            return int(json.loads(await r.read())["data"][0]["max_model_len"])
 
     async def _remote_prefill(
         self,
@@ -381,11 +381,12 @@ class Proxy:
         self.metrics.requests.labels(worker.url, "prefill").inc()
         params = None
         try:
-            r = await self.client.post(worker.url + path, content=payload, headers=headers)
-            if r.status_code >= 500:
-                raise WorkerFailed(f"HTTP {r.status_code}")
-            params = disagg.accepted_params(r.json()) if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, WorkerFailed) as e:
+            async with self.client.post(worker.url + path, data=payload, headers=headers) as r:
+                if r.status >= 500:
+                    raise WorkerFailed(f"HTTP {r.status}")
+                answer = await r.read()
+            params = disagg.accepted_params(json.loads(answer)) if r.status == 200 else None
+        except (*UPSTREAM_ERRORS, ValueError, WorkerFailed) as e:
             self._failed(worker, "prefill", e)
         # Without params the decode worker simply prefills locally: slower, never wrong.
         self.metrics.remote_prefills.labels("ok" if params else "fallback").inc()
@@ -417,10 +418,10 @@ class Proxy:
         return headers
 
     def _headers(
-        self, upstream: httpx.Response, worker: Worker, placement: Placement
+        self, upstream: aiohttp.ClientResponse, worker: Worker, placement: Placement
     ) -> dict[str, str]:
         out = {k: upstream.headers[k] for k in _PASSED_RESPONSE_HEADERS if k in upstream.headers}
-        out["x-request-id"] = upstream.request.headers.get("x-request-id", "")
+        out["x-request-id"] = upstream.request_info.headers.get("x-request-id", "")
         out[DECODE_HEADER] = worker.url
         if placement.prefill is not None:
             out[PREFILL_HEADER] = placement.prefill.url
