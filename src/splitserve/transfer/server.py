@@ -12,8 +12,6 @@ import socket
 import threading
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
 from splitserve.transfer.auth import PayloadCipher, server_handshake
 from splitserve.transfer.base import BlockSource, KVServer, TransferConfig
@@ -22,7 +20,6 @@ from splitserve.transfer.lease import Lease, LeaseTable
 from splitserve.transfer.wire import Channel, ErrorCode, Msg, pack_str, unpack_pull, unpack_str
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 _ACCEPT_POLL_S = 0.2
 
 
@@ -203,24 +200,6 @@ class ThreadedKVServer(KVServer):
         while start < n:
             yield slice(start, min(n, start + size))
             start, size = start + size, min(cap, 2 * size)
-
-    def prepared_chunks(
-        self, n: int, block_nbytes: int, prepare: Callable[[slice], T]
-    ) -> Iterator[tuple[slice, T]]:
-        """``chunks``, each with ``prepare(chunk)`` (e.g. its checksums), computed on a helper
-        thread for chunk k+1 while the caller sends chunk k: the socket send releases the GIL,
-        so the two overlap."""
-        spans = list(self.chunks(n, block_nbytes))
-        if len(spans) == 1:
-            yield spans[0], prepare(spans[0])
-            return
-        with ThreadPoolExecutor(1, thread_name_prefix="kv-prepare") as pool:
-            ahead = pool.submit(prepare, spans[0])
-            for k, span in enumerate(spans):
-                ready = ahead.result()
-                if k + 1 < len(spans):
-                    ahead = pool.submit(prepare, spans[k + 1])
-                yield span, ready
 
     def next_block_numbers(self, n: int) -> range:
         """Serial numbers of the next ``n`` blocks served (for the ``corrupt_block`` fault)."""

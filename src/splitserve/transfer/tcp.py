@@ -19,12 +19,11 @@ Encrypted pulls copy each block once more, into a buffer that AES-GCM seals or o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
 from splitserve.transfer.auth import GCM_TAG_BYTES, PayloadCipher, block_aad
-from splitserve.transfer.base import BlockSink, BlockSource, KVConnector, TransferConfig
+from splitserve.transfer.base import BlockSink, BlockSource, KVConnector
 from splitserve.transfer.client import ThreadedKVClient, batches, expect_layout
 from splitserve.transfer.errors import ProtocolError
 from splitserve.transfer.kv_pages import PagedBytes, dtype_name
@@ -51,18 +50,13 @@ class TcpKVServer(ThreadedKVServer):
     ) -> None:
         pages = self.source.pages
         out = _Outbox(ch, self.config.fault.drop_after_bytes if self.config.fault else None)
-
-        def checksummed(span: slice) -> tuple[list[int], list[Runs], list[BlockEntry]]:
+        for span in self.chunks(len(indices), pages.block_nbytes):
             chunk = list(indices[span])
             runs = [pages.runs(lease.block_ids[i]) for i in chunk]
             entries = [
                 BlockEntry(i, lease.hash_at(i), checksum(r), _nonce(cipher))
                 for i, r in zip(chunk, runs, strict=True)
             ]
-            return chunk, runs, entries
-
-        prepared = self.prepared_chunks(len(indices), pages.block_nbytes, checksummed)
-        for _, (chunk, runs, entries) in prepared:
             corrupt = self._corrupt_position(len(chunk))
             meta = BatchMeta(dtype_name(self.source.dtype), tuple(self.source.block_shape), entries)
             per_block = pages.block_nbytes + (GCM_TAG_BYTES if cipher else 0)
@@ -105,11 +99,6 @@ def _send_sealed(
 class TcpKVClient(ThreadedKVClient):
     """Pulls blocks over TCP into a ``BlockSink``."""
 
-    def __init__(self, config: TransferConfig) -> None:
-        super().__init__(config)
-        # One helper thread (started at the first submit), shared by concurrent pulls.
-        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="kv-verify")
-
     def receive(
         self,
         ch: Channel,
@@ -119,39 +108,25 @@ class TcpKVClient(ThreadedKVClient):
         dest_block_ids: Sequence[int],
     ) -> int:
         per_block = expect_layout(sink)[2] + (GCM_TAG_BYTES if cipher else 0)
-        checks: list[Future[None]] = []
-        try:
-            for frame, meta, targets in batches(ch, Msg.BLOCKS, plan, sink, dest_block_ids):
-                if frame.payload_len != len(targets) * per_block:
-                    raise ProtocolError(f"BLOCKS payload of {frame.payload_len} bytes")
-                if cipher is None:
-                    checks += self._recv_plain(ch, meta.entries, sink.pages, targets)
-                else:
-                    rid = plan.remote.request_id
-                    _recv_sealed(ch, cipher, rid, meta.entries, sink.pages, targets)
-        finally:
-            wait(checks)
-        for check in checks:
-            check.result()  # raises the first mismatch
+        for frame, meta, targets in batches(ch, Msg.BLOCKS, plan, sink, dest_block_ids):
+            if frame.payload_len != len(targets) * per_block:
+                raise ProtocolError(f"BLOCKS payload of {frame.payload_len} bytes")
+            if cipher is None:
+                _recv_plain(ch, meta.entries, sink.pages, targets)
+            else:
+                _recv_sealed(ch, cipher, plan.remote.request_id, meta.entries, sink.pages, targets)
         return plan.num_blocks * sink.pages.block_nbytes
 
-    def _recv_plain(
-        self, ch: Channel, entries: list[BlockEntry], pages: PagedBytes, targets: Sequence[int]
-    ) -> list[Future[None]]:
-        """Receive straight into the reserved blocks, each verified on a helper thread while
-        the next one arrives (the socket read releases the GIL). A block that fails its
-        checksum is never read: the pull raises, and the decode worker frees every reserved
-        block."""
-        checks = []
-        for entry, block in zip(entries, targets, strict=True):
-            runs = pages.runs(block)
-            ch.recv_into_parts(runs)
-            checks.append(self._verifier.submit(verify, entry, runs))
-        return checks
 
-    def close(self) -> None:
-        super().close()
-        self._verifier.shutdown()
+def _recv_plain(
+    ch: Channel, entries: list[BlockEntry], pages: PagedBytes, targets: Sequence[int]
+) -> None:
+    # Straight into the reserved blocks: a block that fails its checksum is never read, the
+    # decode worker frees every reserved block when the pull raises.
+    for entry, block in zip(entries, targets, strict=True):
+        runs = pages.runs(block)
+        ch.recv_into_parts(runs)
+        verify(entry, runs)
 
 
 def _recv_sealed(
