@@ -11,7 +11,8 @@ tokens (16, 63 and 250 blocks), scattered over random block ids. Reported per si
   ``memcpy`` of one contiguous buffer, and ``block copy``, the same blocks copied from one
   cache into the other in one process, one pass per block (no checksums). The serving cache
   lives in shared memory, as a prefill worker's on this transport does, so ``shm`` copies
-  each block once, straight out of it, and verifies its checksum where it landed.
+  each block once, straight out of it (no checksums: the lease keeps the blocks still);
+  ``shm+checksums`` adds the optional per-block checksums (``--kv-shm-checksums``).
   ``shm staged`` serves a private copy of the cache (the fallback: each block is copied
   into a staging segment first, two copies).
 
@@ -91,10 +92,12 @@ def serve(args: argparse.Namespace, sizes: list[int], conn) -> None:  # noqa: AN
         leases.grant(f"bench-{n}", block_ids(args, n, salt=1))
     source = KVCacheBlocks(cache, shm_segment=shared.name)
     plain, sealed = TransferConfig(SECRET), TransferConfig(SECRET, encrypt=True)
+    checked = TransferConfig(SECRET, shm_checksums=True)
     servers = {
         "tcp": get_connector("tcp", plain).make_server(source, leases),
         "tcp+aes": get_connector("tcp", sealed).make_server(source, leases),
         "shm": get_connector("shm", plain).make_server(source, leases),
+        "shm+checksums": get_connector("shm", checked).make_server(source, leases),
         "shm staged": get_connector("shm", plain).make_server(KVCacheBlocks(private), leases),
     }
     ports = {name: server.start()[1] for name, server in servers.items()}
@@ -157,9 +160,9 @@ def run_size(
             block_size=BLOCK_SIZE,
         )  # fmt: skip
         plan = planner.plan_load(RemoteKV.from_params(params), set())
-        encrypt = name == "tcp+aes"
+        encrypt, checksums = name == "tcp+aes", name == "shm+checksums"
         if name not in clients:
-            config = TransferConfig(SECRET, encrypt=encrypt)
+            config = TransferConfig(SECRET, encrypt=encrypt, shm_checksums=checksums)
             clients[name] = get_connector(transport, config).make_client()
         client = clients[name]
         return lambda: client.pull(plan, sink, dest, release=False)
@@ -175,6 +178,7 @@ def run_size(
         "memcpy": lambda: contiguous_dst.copy_(contiguous_src),
         "block copy": block_copy,
         "shm": pull("shm"),
+        "shm+checksums": pull("shm+checksums"),
         "shm staged": pull("shm staged"),
     }
     first_shm = timed(methods["shm"])  # maps the cache, faults its pages in: once per peer
@@ -185,7 +189,7 @@ def run_size(
             elapsed = timed(fn)
             if rep >= args.warmup:
                 times[name].append(elapsed)
-    for name in ("tcp", "tcp+aes", "shm", "shm staged"):  # each moved the right bytes
+    for name in ("tcp", "tcp+aes", "shm", "shm+checksums", "shm staged"):  # right bytes?
         dst_cache.zero_()
         methods[name]()
         assert torch.equal(gather_blocks(dst_cache, dest), contiguous_src), f"{name} differs"
@@ -198,6 +202,7 @@ def report(n: int, nbytes: int, gbps: dict[str, float]) -> dict[str, float]:
         "tcp+aes / raw socket": gbps["tcp+aes"] / gbps["raw socket"],
         "shm / memcpy": gbps["shm"] / gbps["memcpy"],
         "shm / block copy": gbps["shm"] / gbps["block copy"],
+        "shm+checksums / memcpy": gbps["shm+checksums"] / gbps["memcpy"],
         "shm staged / memcpy": gbps["shm staged"] / gbps["memcpy"],
     }
     print(f"\n{n} blocks ({n * BLOCK_SIZE} tokens, {nbytes / 2**20:.1f} MiB)")
