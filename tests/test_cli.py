@@ -44,3 +44,11 @@ def test_worker_tier_flags_fail_clearly_before_loading(tmp_path):
     assert r.returncode == 2 and "host_kv_gb" in r.stderr
     r = run("worker", *disk, "--kv-retention-quota", "2")
     assert r.returncode == 2 and "retention_quota" in r.stderr
+
+
+def test_generate_with_split_gemv_gives_the_same_greedy_reply():
+    args = ("generate", "--prompt", "Name three colours.", "--max-tokens", "16")
+    args += ("--temperature", "0", "--threads", "2")
+    plain, split = run(*args), run(*args, "--split-gemv")
+    assert plain.returncode == split.returncode == 0, plain.stderr + split.stderr
+    assert split.stdout == plain.stdout and plain.stdout.strip()

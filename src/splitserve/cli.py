@@ -24,6 +24,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache pool size")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--split-gemv",
+        action="store_true",
+        help="split decode steps' weight products across --threads (faster on idle cores, "
+        "much slower when other processes hold them)",
+    )
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -32,6 +38,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         threads=args.threads,
         kv_cache_gb=args.kv_cache_gb,
         max_model_len=args.max_model_len,
+        split_gemv=args.split_gemv,
     )
 
 
