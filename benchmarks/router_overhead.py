@@ -45,6 +45,7 @@ import httpx
 import psutil
 
 from splitserve.cluster.local import free_port
+from splitserve.common.gc_pauses import quiet_gc
 
 ROOT = Path(__file__).resolve().parent.parent
 ECHO_WORKER = ROOT / "tests" / "router" / "fake_worker.py"
@@ -387,6 +388,7 @@ def stickiness(args: argparse.Namespace) -> None:
 def main() -> None:
     args = parse_args()
     print(f"config: {vars(args)}  cpus={os.cpu_count()}")
+    quiet_gc()  # the load generator's collector pauses would land in both paths' tails
     if not args.no_overhead:
         overhead(args)
     if args.ttft:

@@ -21,6 +21,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from splitserve.common.gc_pauses import quiet_gc
+
 CHUNKS = 4
 
 
@@ -183,6 +185,7 @@ if __name__ == "__main__":
     parser.add_argument("--name", required=True)
     parser.add_argument("--role", default="both")
     args = parser.parse_args()
+    quiet_gc()  # as a real worker does: no collector pauses in the benchmark's tails
     uvicorn.run(
         create_app(args.name, args.role), host="127.0.0.1", port=args.port, log_level="warning"
     )

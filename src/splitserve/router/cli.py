@@ -110,9 +110,11 @@ def run(args: argparse.Namespace) -> int:
     """Serve the router until interrupted."""
     import uvicorn
 
+    from splitserve.common.gc_pauses import quiet_gc
     from splitserve.router.app import create_app
 
     app = create_app(config_from_args(args))
+    quiet_gc()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
 

@@ -31,6 +31,7 @@ def run_worker(
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    from splitserve.common.gc_pauses import quiet_gc
     from splitserve.engine.llm_engine import LLMEngine
     from splitserve.worker.server import create_app
 
@@ -42,6 +43,7 @@ def run_worker(
         served_model_name=served_model_name,
         disagg=disagg,
     )
+    quiet_gc()
     uvicorn.run(
         app,
         host=host,
