@@ -58,8 +58,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # default: the model's own limit, bounded by the KV pool
     threads: int | None = None
-    # Split small decode steps' weight products across the threads (models.llama.SplitGemv).
-    # Off until measured a win on a quiet machine (benchmarks/engine_throughput.py part 2).
+    # Split small decode steps' weight products across the threads (models.llama.SplitGemv):
+    # ~10% faster at batch 1 on idle cores, far slower when other processes share them, so
+    # off by default (benchmarks/engine_throughput.py, docs/benchmarks.md).
     split_gemv: bool = False
     seed: int = 0
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)

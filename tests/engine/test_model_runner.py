@@ -182,7 +182,9 @@ def test_split_gemv_matches_the_plain_product(rows: int, out: int) -> None:
 def test_small_steps_split_their_products_and_keep_greedy_tokens() -> None:
     before = torch.get_num_threads()
     try:
-        runner = ModelRunner(tiny_model(), block_size=4, kv_cache_bytes=64 * 2**10, threads=2)
+        runner = ModelRunner(
+            tiny_model(), block_size=4, kv_cache_bytes=64 * 2**10, threads=2, split_gemv=True
+        )
         with runner._threads_for(1):
             assert (SplitGemv.parts, torch.get_num_threads()) == (2, 1)
         with runner._threads_for(32):

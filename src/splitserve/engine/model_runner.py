@@ -23,15 +23,15 @@ from splitserve.models.llama import SplitGemv
 from splitserve.models.loader import LoadedModel
 from splitserve.transfer.shm_cache import SharedKVCache
 
-# Steps of fewer tokens than this run on one intra-op thread, except for their weight
-# products, which are split across the runner's threads (``SplitGemv``). MKL runs those
-# few-row products on one core whatever the thread count, and every other op of such a step
-# is too small to split, so a second OpenMP thread there only adds a fork/join per op: on this
-# box a batch-1 decode step took 46 ms at 1 thread and 54-64 ms at 2, and far worse when
+# Steps of fewer tokens than this run on one intra-op thread (their weight products excepted
+# when ``split_gemv`` splits them across the runner's threads, see ``SplitGemv``). MKL runs
+# those few-row products on one core whatever the thread count, and every other op of such a
+# step is too small to split, so a second OpenMP thread there only adds a fork/join per op: on
+# this box a batch-1 decode step took 46 ms at 1 thread and 54-64 ms at 2, and far worse when
 # another process holds the other core. From about 8 rows on, the GEMMs are compute-bound and
 # use the threads themselves.
 SMALL_STEP_TOKENS = 8
-# Steps of at most this many tokens split their weight products (SplitGemv): up to here
+# With ``split_gemv``, steps of at most this many tokens split their weight products: up to here
 # MKL's GEMM leaves a core idle for a product this narrow (benchmarks/gemv_split.py).
 SPLIT_GEMV_MAX_TOKENS = 32
 
@@ -73,7 +73,7 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         threads: int | None = None,
         shared_kv: bool = False,
-        split_gemv: bool = True,
+        split_gemv: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")

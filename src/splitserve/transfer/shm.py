@@ -66,9 +66,9 @@ class ShmKVServer(ThreadedKVServer):
     ) -> None:
         if not segment_prefix.startswith(DEFAULT_SEGMENT_PREFIX) or "/" in segment_prefix:
             raise ValueError(f"segment_prefix must start with {DEFAULT_SEGMENT_PREFIX!r}")
-        if config.fault is not None and config.fault.corrupt_block is not None:
-            if not config.shm_checksums:
-                raise ValueError("the corrupt_block fault needs shm_checksums on an shm server")
+        corrupts = config.fault is not None and config.fault.corrupt_block is not None
+        if corrupts and not config.shm_checksums:
+            raise ValueError("the corrupt_block fault needs shm_checksums on an shm server")
         super().__init__(source, leases, config, host, port)
         self.segments = SegmentPool(segment_prefix, max_idle_bytes)
 
