@@ -11,6 +11,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.cli import add_router_parser
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
 from splitserve.router.policies import POLICIES
+from splitserve.router.ring import DEFAULT_LOAD_FACTOR
 from splitserve.sim.cli import add_sim_parser
 
 
@@ -236,10 +237,13 @@ def _add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-test-fault", default=None, help=argparse.SUPPRESS)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from splitserve.cluster.local import Topology, serve
+def serve_topology(args: argparse.Namespace):
+    """The pools and router flags ``serve`` starts, from its parsed arguments."""
+    from splitserve.cluster.local import Topology
 
-    topology = Topology(
+    if args.load_factor < 1.0:
+        raise ValueError(f"--load-factor must be >= 1, got {args.load_factor}")
+    return Topology(
         prefill=args.prefill,
         decode=args.decode,
         threads_per_worker=args.threads_per_worker,
@@ -247,8 +251,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         router_args=[
             *("--remote-prefill-threshold", str(args.remote_prefill_threshold)),
             *("--policy", args.policy),
+            *("--load-factor", str(args.load_factor)),
         ],
     )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from splitserve.cluster.local import serve
+
+    topology = serve_topology(args)
     _tier_config(args)  # bad tier flags fail here, not in every worker
     worker_args = ["--dtype", args.dtype, "--kv-cache-gb", str(args.kv_cache_gb)]
     worker_args += _tier_worker_args(args)
@@ -336,6 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="session",
         choices=sorted(POLICIES),
         help="the router's decode placement (default: session)",
+    )
+    serve.add_argument(
+        "--load-factor",
+        type=float,
+        default=DEFAULT_LOAD_FACTOR,
+        metavar="C",
+        help="session policy: a worker holds at most ceil(C x average) requests "
+        f"(default {DEFAULT_LOAD_FACTOR}; with W workers, C >= W never moves a session)",
     )
     serve.add_argument(
         "--ready-timeout",

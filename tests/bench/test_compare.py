@@ -28,7 +28,10 @@ def test_compare_runs_a_disaggregated_deployment(tmp_path, capsys):
     # Turn 0 (a 96-word system prompt) goes through the prefill worker; its KV is pulled.
     assert s["server"]["remote_prefills"] >= 1 and s["server"]["kv_bytes_transferred"] > 0
     assert s["server"]["prompt_tokens"] >= s["total_input_tokens"]
+    # Every turn carries its session id; with one decode worker no turn can move.
+    assert s["server"]["session_turns"] >= s["completed"]
+    assert s["server"]["turns_moved"] == s["server"]["turns_moved_fraction"] == 0
     assert "--prefill 1 --decode 1" in s["info"]["deployment"]
-    assert "goodput req/s" in printed and "(1.00x)" in printed
+    assert "goodput req/s" in printed and "(1.00x)" in printed and "turns moved %" in printed
     assert md.read_text().startswith("| deployment | load | goodput req/s")
     assert psutil.Process().children(recursive=True) == []

@@ -121,3 +121,17 @@ def test_empty_run_summarizes_without_crashing():
     s = summarize([], 0.0)
     assert s.completed == 0 and math.isnan(s.request_throughput)
     assert "Successful requests:" in format_summary(s)
+
+
+def test_server_figures_are_the_runs_share_of_the_counters():
+    from splitserve.bench.scrape import server_figures
+
+    before = {"prompt_tokens": 100.0, "cached_prompt_tokens": 40.0, "session_turns": 10.0}
+    before |= {"turns_moved": 3.0}
+    after = {"prompt_tokens": 1100.0, "cached_prompt_tokens": 790.0, "session_turns": 50.0}
+    after |= {"turns_moved": 13.0}
+    figures = server_figures(before, after)
+    assert figures["prefix_cache_hit_rate"] == 0.75  # 750 of 1000 prompt tokens cached
+    assert figures["prefill_tokens_computed"] == 250.0
+    assert figures["turns_moved_fraction"] == 0.25  # 10 of 40 turns left the previous worker
+    assert server_figures(before, before)["turns_moved_fraction"] == 0.0

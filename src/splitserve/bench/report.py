@@ -26,6 +26,7 @@ FIGURES: list[tuple[str, Callable[[Summary], float], bool]] = [
     ("TPOT p50 ms", lambda s: s.tpot.median, False),
     ("JCT mean s", lambda s: s.jct.mean / 1000, False),
     ("cache hit %", lambda s: 100 * s.server.get("prefix_cache_hit_rate", math.nan), True),
+    ("turns moved %", lambda s: 100 * s.server.get("turns_moved_fraction", math.nan), False),
     ("KV MB moved", lambda s: s.server.get("kv_bytes_transferred", math.nan) / 1e6, True),
 ]
 RATIO_FIGURES = {"goodput req/s", "session goodput /s", "req/s", "TTFT p50 ms", "TTFT p99 ms"}

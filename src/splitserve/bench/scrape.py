@@ -9,6 +9,9 @@ over all workers of after - before:
 - ``prefill_tokens_computed``: prompt tokens minus cached ones, the prefill work done.
 - ``kv_bytes_transferred``: KV bytes decode workers pulled from prefill workers.
 - ``remote_prefills``: the router's two-leg requests that went through.
+- ``turns_moved_fraction``: of the turns with a session key, those the router placed on
+  another worker than the session's previous turn (each such turn finds none of the
+  session's own KV there).
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ WORKER_COUNTERS = {
     "requests_finished": "splitserve:request_success_total",
     "kv_bytes_transferred": "splitserve:kv_bytes_received_total",
 }
-ROUTER_COUNTERS = {"remote_prefills": 'splitserve:router_remote_prefills_total{outcome="ok"}'}
+ROUTER_COUNTERS = {
+    "remote_prefills": 'splitserve:router_remote_prefills_total{outcome="ok"}',
+    "session_turns": "splitserve:router_turns_total",
+    "turns_moved": "splitserve:router_sessions_moved_total",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +91,10 @@ def _samples(text: str) -> dict[str, float]:
 def server_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """The run's share of the servers' counters, and the hit rate derived from them."""
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
-    prompt = delta["prompt_tokens"]
+    prompt, turns = delta["prompt_tokens"], delta["session_turns"]
     return {
         "prefix_cache_hit_rate": delta["cached_prompt_tokens"] / prompt if prompt else 0.0,
+        "turns_moved_fraction": delta["turns_moved"] / turns if turns else 0.0,
         "prefill_tokens_computed": prompt - delta["cached_prompt_tokens"],
         **delta,
     }
