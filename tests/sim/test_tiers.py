@@ -110,6 +110,28 @@ def test_a_returning_turn_waits_for_its_load_then_prefills_the_rest():
     assert again["a", 1].ttft_s == pytest.approx(full, rel=1e-12) and full > load + prefill
 
 
+def test_a_decode_worker_pulls_only_what_its_own_tiers_do_not_hold():
+    # 1P:1D, 40-block pools. a's first turn is prefilled on P, 19 blocks pulled to D, which
+    # computes the 20th; both save theirs to host RAM. b then fills both pools. a returns
+    # with 80 new tokens (416): P prefills it again (its tier loads 19 blocks: b left a's
+    # first block in its pool), and D, finding a's 20 blocks in its own host RAM, loads them
+    # and pulls only the other 5 of the 25 usable blocks, as worker/disagg.py does.
+    a = session("a", 0.0, [(0.0, 320, 16), (10.0, 80, 4)], 1000)
+    b = session("b", 1.0, [(0.0, 624, 16)], 5000)
+    kw = dict(kv_cache_gb=40 * BLOCK_BYTES / 2**30, max_num_batched_tokens=4096)
+    runs = {}
+    for host in (1.0, 0.0):
+        cluster = Cluster(config(host_kv_gb=host, **kw), Deployment(prefill=1, decode=1))
+        records = {(r.session_id, r.turn): r for r in cluster.run(iter([a, b]))}
+        assert cluster.stats.remote_prefills == 3 and all(r.ok for r in records.values())
+        runs[host] = (cluster.stats, records["a", 1])
+    (tiered, back), (plain, again) = runs[1.0], runs[0.0]
+    assert plain.kv_blocks_moved == 19 + 38 + 25 and tiered.kv_blocks_moved == 19 + 38 + 5
+    assert (tiered.tier_loads, tiered.tier_blocks_host) == (2, 20 + 19)
+    assert back.cached_tokens == again.cached_tokens == 400
+    assert back.ttft_s < again.ttft_s  # P loads 19 blocks where it recomputed them
+
+
 # The agentic regime of docs/benchmarks.md ("KV does not fit the device pool"): 0.06 GB
 # pools (87 blocks) on this machine's profile, sessions pausing ~3 s in tool calls.
 PAUSED = AgenticConfig(
