@@ -17,6 +17,12 @@ real scheduler must see it (preemption). When nothing else can run (no prefill, 
 admission possible), a whole run of decode steps is taken at once, its time summed in closed
 form (``DecodeLine``). ``exact=True`` runs every step through the real ``schedule()`` and
 ``update()`` instead; the tests check both give the same timings.
+
+With lower KV tiers (``sim/tiers.py``) the real scheduler consults the real ``Tiering`` at
+admission, as in the real engine. Blocks that lazily advanced sequences completed are
+handed to the tiers at the end of each step or run, in the order the real engine saves
+them (by the step they completed at, then running order), so the tiers' LRU order is the
+same as when stepping exactly.
 """
 
 from __future__ import annotations
