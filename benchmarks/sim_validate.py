@@ -34,7 +34,7 @@ from collections import deque
 from splitserve.bench.cli import add_run_args, workload_from_args
 from splitserve.bench.compare import DEPLOYMENTS
 from splitserve.bench.metrics import SLO, RequestRecord, summarize
-from splitserve.bench.workloads import SessionSpec
+from splitserve.bench.workloads import API_CHAT, SessionSpec
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware, load_calibration
@@ -161,6 +161,7 @@ def against_bench(args, workload, slo: SLO) -> None:
         wl = dataclasses.replace(workload, seed=workload.seed + i)
         check_workload(run, wl)
         dep, settings = simulated_system(run)
+        settings["chat_template"] = chats(wl) and not args.no_chat_template
         records = [RequestRecord(**r) for r in run["requests"]]
         real = summarize(records, run["summary"]["duration_s"], slo)
         duration = max(r.start_s for r in records if r.turn == 0) + 1e-9
@@ -171,6 +172,11 @@ def against_bench(args, workload, slo: SLO) -> None:
         print_rows(real, sim)
         table.append((run["deployment"], run["rate"], real, sim))
     print_markdown(table)
+
+
+def chats(workload) -> bool:
+    """Whether the workload's sessions go through the chat API (the template adds tokens)."""
+    return next(iter(workload.sessions(1.0))).api == API_CHAT
 
 
 def check_workload(run: dict, workload) -> None:
@@ -203,6 +209,9 @@ def main() -> None:
     ap.add_argument("--calibration", required=True)
     ap.add_argument("--num", type=int, default=24, help="requests (without --bench-json)")
     ap.add_argument("--bench-json", default=None, help="a `bench compare --json` output")
+    ap.add_argument(
+        "--no-chat-template", action="store_true", help="simulate chat prompts without it"
+    )
     args = ap.parse_args()
     if args.workload == "random":
         args.input_len = args.input_len or 96

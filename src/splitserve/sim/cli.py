@@ -66,6 +66,11 @@ def _add_run_args(p: argparse.ArgumentParser, deployment: bool = True) -> None:
     s.add_argument(
         "--itl", action="store_true", help="record every inter-token gap (ITL statistics)"
     )
+    s.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="chat sessions' prompts carry the chat template's tokens (ChatML)",
+    )
     if deployment:
         d = p.add_argument_group("deployment")
         d.add_argument("--prefill", type=int, default=0)
@@ -94,6 +99,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         prefill_policy=args.prefill_policy,
         remote_prefill_threshold=args.remote_prefill_threshold,
         record_itl=args.itl,
+        chat_template=args.chat_template,
     )
 
 

@@ -25,13 +25,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from splitserve.bench.metrics import RequestRecord
-from splitserve.bench.workloads import SessionSpec
+from splitserve.bench.workloads import API_CHAT, SessionSpec
 from splitserve.common.kv_hash import BlockChain, BlockHash, root_hash
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerConfig
 from splitserve.engine.sequence import Sequence
 from splitserve.router.policies import RequestInfo, make_policy
 from splitserve.router.worker import Worker
+from splitserve.sim.chat import append_prompt, append_reply
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.engine import SimEngine, StepReport
 from splitserve.sim.events import EventQueue
@@ -186,8 +187,7 @@ class Cluster:
         turn = spec.turns[k]
         context = self._contexts[spec.session_id]
         cached_before = len(context)
-        for seg in turn.segments:
-            context.extend(seg.token_ids)
+        append_prompt(context, turn.segments, self._chat(spec))
         rid = f"{spec.session_id}#{k}"
         self._outputs[rid] = turn.output_ids
         key = spec.session_id if spec.sticky else f"prefix:{hash(tuple(context[:128]))}"
@@ -449,8 +449,12 @@ class Cluster:
             del self._contexts[spec.session_id]
             del self._chains[spec.session_id]
             return
-        self._contexts[spec.session_id].extend(output)
+        append_reply(self._contexts[spec.session_id], output, self._chat(spec))
         self.events.at(self.now + spec.turns[k + 1].pause_s, self._next_turn, (spec, k + 1))
+
+    def _chat(self, spec: SessionSpec) -> bool:
+        """Whether ``spec``'s prompts carry the chat template's tokens."""
+        return self.config.chat_template and spec.api == API_CHAT
 
     def _next_turn(self, arg: tuple[SessionSpec, int]) -> None:
         self._send(*arg)

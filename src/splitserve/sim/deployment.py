@@ -62,6 +62,7 @@ class SimConfig:
     policy: str = "session"
     prefill_policy: str = "prefix"
     remote_prefill_threshold: int = DEFAULT_REMOTE_PREFILL_THRESHOLD
+    chat_template: bool = False  # chat-API sessions' prompts carry ChatML's tokens (sim/chat.py)
     exact: bool = False  # every step through the real schedule()/update() (slow; for tests)
     record_itl: bool = False  # every request's inter-token gaps (memory grows with tokens)
 
