@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama3-70b")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--rate-per-gpu", type=float, default=0.1, help="sessions/s per GPU")
+    ap.add_argument("--host-kv-gb", type=float, default=0.0, help="host-RAM KV tier per worker")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--sort", default="tottime")
     ap.add_argument("--top", type=int, default=15)
@@ -53,9 +54,15 @@ def run(args: argparse.Namespace) -> None:
     compiled = not cluster_module.__file__.endswith(".py")
     workers = args.gpus // args.tp
     dep = Deployment(prefill=workers // 4, decode=workers - workers // 4, tp=args.tp)
-    cfg = SimConfig(get_model(args.model), get_hardware("h100"), block_size=args.block_size)
+    cfg = SimConfig(
+        get_model(args.model),
+        get_hardware("h100"),
+        block_size=args.block_size,
+        host_kv_gb=args.host_kv_gb,
+    )
     rate = args.rate_per_gpu * args.gpus
-    print(f"{dep.describe()}, {args.model} on h100, block {args.block_size};")
+    tiers = f", {args.host_kv_gb:g} GB host KV tier per worker" if args.host_kv_gb else ""
+    print(f"{dep.describe()}, {args.model} on h100, block {args.block_size}{tiers};")
     print(f"agentic at {rate:g} sessions/s, {args.sessions} sessions")
     print(f"modules: {'compiled (mypyc)' if compiled else 'interpreted'}; {_load()}")
     t0 = time.perf_counter()

@@ -3,9 +3,12 @@
 Two real sides:
 
 - ``--bench-json FILE``: the output of ``splitserve bench compare --json FILE`` (real
-  deployments behind the router); each of its runs is simulated with the same deployment
-  (``collocated-rr`` -> 2 collocated workers, round-robin; ``disagg-session`` -> 1P:1D,
-  session policy; ...), workload and rate.
+  deployments behind the router); each of its runs is simulated with the same deployment,
+  read from the `splitserve serve` command line the run stores (``--prefill 0 --decode 2``
+  -> 2 collocated workers; ``--policy``; ``--kv-cache-gb`` and other `--serve-arg` s;
+  ``--host-kv-gb`` -> a host-RAM KV tier per worker), the same workload (give the bench
+  command's workload options and ``--seed``; each load i of a sweep replays seed + i, as
+  `bench compare` does) and rate.
 - otherwise: ``LLMEngine`` (bundled model, one thread) driven in this process with Poisson
   arrivals on the wall clock.
 
@@ -16,17 +19,22 @@ and p50 TTFT side by side with their ratio (goal: within 15%).
     .venv/bin/python benchmarks/sim_validate.py --calibration cal.json --rate 0.5 --num 24
     .venv/bin/python benchmarks/sim_validate.py --calibration cal.json --bench-json cmp.json \
         --input-len 128 --output-len 16
+    .venv/bin/python benchmarks/sim_validate.py --calibration cal.json --bench-json cmp.json \
+        --workload agentic --agent-types 4 --system-tokens 256 ... --slo ttft:1000,tpot:250
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections import deque
 
+from splitserve.bench.cli import add_run_args, workload_from_args
+from splitserve.bench.compare import DEPLOYMENTS
 from splitserve.bench.metrics import SLO, RequestRecord, summarize
-from splitserve.bench.workloads import RandomConfig, SessionSpec
+from splitserve.bench.workloads import API_CHAT, SessionSpec
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware, load_calibration
@@ -70,70 +78,152 @@ def real_run(sessions: list[SessionSpec]) -> tuple[list[RequestRecord], float]:
     return rs, max(r.end_s for r in rs) - min(r.start_s for r in rs)
 
 
-# `splitserve bench compare` deployments as (deployment, routing policy) for 2 cores.
-BENCH_DEPLOYMENTS = {
-    "collocated-rr": (Deployment(collocated=2), "round-robin"),
-    "collocated-session": (Deployment(collocated=2), "session"),
-    "disagg": (Deployment(prefill=1, decode=1), "round-robin"),
-    "disagg-session": (Deployment(prefill=1, decode=1), "session"),
-}
-
-
-def cpu_local(calibration: str, policy: str = "session") -> SimConfig:
-    """The engine's defaults (1 GiB KV, 64 sequences, 1024-token budget) on cpu-local."""
+def cpu_local(calibration: str, **settings) -> SimConfig:
+    """The engine's defaults (1 GiB KV, 64 sequences, 1024-token budget) on cpu-local, with
+    ``settings`` (a deployment's serve flags: policy, KV pool, tiers) over them."""
+    base = dict(kv_cache_gb=1.0, max_num_seqs=64, max_num_batched_tokens=1024)
     return SimConfig(
         get_model("smollm2-135m"),
         load_calibration(get_hardware("cpu-local"), calibration),
         dtype="fp32",
-        kv_cache_gb=1.0,
-        max_num_seqs=64,
-        max_num_batched_tokens=1024,
-        policy=policy,
+        **{**base, **settings},
     )
+
+
+def serve_flags() -> argparse.ArgumentParser:
+    """The `splitserve serve` flags a bench deployment's command line sets that the simulated
+    system takes (`bench compare` stores that command line in each run's info)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--prefill", type=int, default=0)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--policy", default="session")
+    p.add_argument("--prefill-policy", default="prefix")
+    for flag in ("--kv-cache-gb", "--host-kv-gb"):
+        p.add_argument(flag, type=float, default=None)
+    p.add_argument("--disk-kv-gb", type=float, default=10.0)  # the worker's default
+    p.add_argument("--disk-kv-dir", default=None)
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--block-size"):
+        p.add_argument(flag, type=int, default=None)
+    return p
+
+
+def simulated_system(run: dict) -> tuple[Deployment, dict]:
+    """The deployment and SimConfig settings of a `bench compare` run: its `splitserve serve`
+    command line (after the `;` of its info), else the deployment's flags at 2 workers."""
+    info = run["summary"].get("info", {}).get("deployment", "")
+    if ";" in info:
+        argv = info.split(";", 1)[1].split()
+    else:
+        dep = DEPLOYMENTS[run["deployment"]]
+        prefill, decode = dep.pools(2)
+        argv = ["--prefill", str(prefill), "--decode", str(decode), *dep.serve_args]
+    a, _ = serve_flags().parse_known_args(argv)
+    # `serve` with no prefill workers runs its decode workers collocated (role both).
+    dep = Deployment(a.prefill, a.decode) if a.prefill else Deployment(collocated=a.decode)
+    settings = {"policy": a.policy, "prefill_policy": a.prefill_policy}
+    for name in ("kv_cache_gb", "host_kv_gb", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(a, name) is not None:
+            settings[name] = getattr(a, name)
+    if a.block_size is not None:
+        settings["block_size"] = a.block_size
+    if a.disk_kv_dir is not None:  # the real disk tier needs a directory
+        settings["disk_kv_gb"] = a.disk_kv_gb
+    return dep, settings
+
+
+FIGURES = (
+    ("goodput (req/s)", lambda s: s.request_goodput),
+    ("session goodput (/s)", lambda s: s.session_goodput),
+    ("p50 TTFT (ms)", lambda s: s.ttft.median),
+    ("p50 TPOT (ms)", lambda s: s.tpot.median),
+    ("p50 E2E (ms)", lambda s: s.e2e.median),
+    ("prompt tokens", lambda s: s.total_input_tokens / max(s.completed, 1)),
+    ("cached (%)", lambda s: 100 * s.cached_tokens / max(s.total_input_tokens, 1)),
+)
 
 
 def print_rows(real, sim) -> None:
-    rows = (
-        ("goodput (req/s)", real.request_goodput, sim.request_goodput),
-        ("p50 TTFT (ms)", real.ttft.median, sim.ttft.median),
-        ("p50 TPOT (ms)", real.tpot.median, sim.tpot.median),
-        ("p50 E2E (ms)", real.e2e.median, sim.e2e.median),
-    )
-    print(f"{'':<18}{'real':>10}{'simulated':>12}{'sim/real':>10}")
-    for name, a, b in rows:
-        print(f"{name:<18}{a:>10.2f}{b:>12.2f}{b / a:>10.2f}")
+    print(f"{'':<22}{'real':>10}{'simulated':>12}{'sim/real':>10}")
+    for name, figure in FIGURES:
+        a, b = figure(real), figure(sim)
+        ratio = b / a if a else float("nan")
+        print(f"{name:<22}{a:>10.3f}{b:>12.3f}{ratio:>10.2f}")
 
 
 def against_bench(args, workload, slo: SLO) -> None:
     with open(args.bench_json) as f:
         runs = json.load(f)
+    table = []
+    index: dict[str, int] = {}
     for run in runs:
-        dep, policy = BENCH_DEPLOYMENTS[run["deployment"]]
+        # `bench compare` replays seed + i for the i-th load of each deployment.
+        i = index[run["deployment"]] = index.get(run["deployment"], -1) + 1
+        wl = dataclasses.replace(workload, seed=workload.seed + i)
+        check_workload(run, wl)
+        dep, settings = simulated_system(run)
+        settings["chat_template"] = chats(wl) and not args.no_chat_template
         records = [RequestRecord(**r) for r in run["requests"]]
         real = summarize(records, run["summary"]["duration_s"], slo)
         duration = max(r.start_s for r in records if r.turn == 0) + 1e-9
-        cfg = cpu_local(args.calibration, policy)
-        sim = simulate(cfg, dep, workload, run["rate"], duration, slo).summary
-        print(f"\n{run['deployment']} ({dep.describe()}, {policy}) at {run['rate']:g}/s:")
+        cfg = cpu_local(args.calibration, **settings)
+        sim = simulate(cfg, dep, wl, run["rate"], duration, slo).summary
+        shown = ", ".join(f"{k} {v}" for k, v in settings.items())
+        print(f"\n{run['deployment']} ({dep.describe()}; {shown}) at {run['rate']:g}/s:")
         print_rows(real, sim)
+        table.append((run["deployment"], run["rate"], real, sim))
+    print_markdown(table)
+
+
+def chats(workload) -> bool:
+    """Whether the workload's sessions go through the chat API (the template adds tokens)."""
+    return next(iter(workload.sessions(1.0))).api == API_CHAT
+
+
+def check_workload(run: dict, workload) -> None:
+    described = run["summary"].get("info", {}).get("workload")
+    if described is not None and described != workload.describe():
+        raise SystemExit(
+            f"the bench run's workload was\n  {described}\nbut these options give\n  "
+            f"{workload.describe()}\ngive sim_validate.py the bench command's workload options"
+        )
+
+
+def print_markdown(table) -> None:
+    print(
+        "\n| deployment | rate | goodput real / sim (req/s) | sim / real "
+        "| p50 TTFT real / sim (ms) | sim / real |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, rate, real, sim in table:
+        g, t = (real.request_goodput, sim.request_goodput), (real.ttft.median, sim.ttft.median)
+        print(
+            f"| {name} | {rate:g}/s | {g[0]:.3f} / {g[1]:.3f} | **{g[1] / g[0]:.2f}** "
+            f"| {t[0]:.0f} / {t[1]:.0f} | **{t[1] / t[0]:.2f}** |"
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    add_run_args(ap)  # bench's workload and SLO options: repeat the bench command's
+    ap.set_defaults(workload="random", rate=0.5)
     ap.add_argument("--calibration", required=True)
-    ap.add_argument("--rate", type=float, default=0.5)
-    ap.add_argument("--num", type=int, default=24)
-    ap.add_argument("--input-len", type=int, default=96)
-    ap.add_argument("--output-len", type=int, default=24)
-    ap.add_argument("--slo", default="ttft:3000,tpot:400")
+    ap.add_argument("--num", type=int, default=24, help="requests (without --bench-json)")
     ap.add_argument("--bench-json", default=None, help="a `bench compare --json` output")
+    ap.add_argument(
+        "--no-chat-template", action="store_true", help="simulate chat prompts without it"
+    )
     args = ap.parse_args()
-    slo = SLO.parse(args.slo)
-    workload = RandomConfig(args.input_len, args.output_len, seed=0)
+    if args.workload == "random":
+        args.input_len = args.input_len or 96
+        args.output_len = args.output_len or 24
+    slo = SLO.parse(args.slo or "ttft:3000,tpot:400", args.session_slo)
+    workload = workload_from_args(args)
     if args.bench_json:
         print(f"{workload.describe()} vs {args.bench_json}, SLO {slo.describe()}")
         against_bench(args, workload, slo)
         return
+    if args.workload != "random":
+        raise SystemExit("without --bench-json the engine replays single turns: --workload random")
     sessions = [s for s, _ in zip(workload.sessions(args.rate), range(args.num), strict=False)]
     print(f"{workload.describe()}, {args.rate} req/s, {args.num} requests, SLO {slo.describe()}")
     records, duration = real_run(sessions)

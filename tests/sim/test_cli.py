@@ -21,6 +21,18 @@ def test_sim_prints_the_bench_summary_and_writes_json(capsys, tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_sim_with_a_host_kv_tier_reports_its_loads(capsys, tmp_path):
+    out = tmp_path / "run.json"
+    args = ["sim", "--workload", "agentic", "--duration", "10", "--rate", "4"]
+    args += ["--kv-cache-gb", "0.25", "--host-kv-gb", "2", "--disk-kv-gb", "4", "--json", str(out)]
+    assert main(args) == 0
+    assert "KV blocks loaded from host RAM:" in capsys.readouterr().out
+    server = json.loads(out.read_text())[0]["summary"]["server"]
+    assert server["KV tier loads"] > 0 and server["KV blocks saved below the pool"] > 0
+    assert main(["sim", "--rate", "1", "--host-kv-gb", "-1"]) == 2
+    assert "must be >= 0" in capsys.readouterr().err
+
+
 def test_sim_plan_prints_a_table_with_the_best_first(capsys):
     args = ["sim", "plan", "--gpus", "2", "--workload", "random", "--input-len", "512"]
     args += ["--output-len", "16", "--duration", "4", "--iters", "3", "--slo", "ttft:500"]

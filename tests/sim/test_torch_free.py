@@ -10,6 +10,7 @@ for m in pkgutil.walk_packages(s.__path__, "splitserve.sim."):
     __import__(m.name)
 from splitserve.cli import main
 assert main(["sim", "--rate", "2", "--duration", "3", "--prefill", "1", "--decode", "1"]) == 0
+assert main(["sim", "--rate", "2", "--duration", "3", "--host-kv-gb", "1"]) == 0
 """
 
 

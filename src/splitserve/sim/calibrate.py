@@ -9,6 +9,8 @@ error of::
     t = max(C / compute_eff, M / memory_eff) + overhead + per_seq * sequences
 
 (a grid over the two efficiencies, linear least squares for the two overheads at each).
+It also times the real KV mover loading blocks from a host-RAM tier into the engine's KV
+cache: the simulated host-tier loads' bandwidth (``host_bw``).
 """
 
 from __future__ import annotations
@@ -42,19 +44,26 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the samples and the fit (JSON)")
 
 
+def build_engine(model_path: str | None, threads: int):
+    from splitserve.config import EngineConfig
+    from splitserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=model_path, threads=threads))
+
+
 def measure(
     model_path: str | None,
     threads: int,
     repeats: int,
     prefill_lens: tuple[int, ...] = PREFILL_LENS,
     decode_batches: tuple[int, ...] = DECODE_BATCHES,
+    engine=None,
 ) -> list[Sample]:
     """Step times of the real engine: single prefills, then decode steps at each batch."""
     from splitserve.common.sampling_params import SamplingParams
-    from splitserve.config import EngineConfig
-    from splitserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=model_path, threads=threads))
+    if engine is None:
+        engine = build_engine(model_path, threads)
     rng = np.random.default_rng(0)
     samples: list[Sample] = []
     counter = iter(range(10**9))
@@ -90,6 +99,30 @@ def measure(
         for rid in ids:
             engine.abort_request(rid)
     return samples
+
+
+def measure_host_load(engine, blocks: int = 128, repeats: int = 3) -> float:
+    """Bytes per second at which the real KV mover loads ``blocks`` blocks from a host-RAM
+    tier into ``engine``'s KV cache (read, copy, scatter: the median of ``repeats`` loads)."""
+    from splitserve.engine.kv_mover import KVMover
+    from splitserve.engine.tiering import BlockCopy
+    from splitserve.kvstore import HostTier, TieredStore
+
+    blocks = min(blocks, engine.block_manager.num_blocks)
+    ids = list(range(blocks))
+    hashes = [i.to_bytes(16, "little") for i in ids]
+    store = TieredStore([HostTier(2**40)])
+    seconds: list[float] = []
+    mover = KVMover(engine.runner.kv_cache, store, ["host"], lambda _t, s, _n: seconds.append(s))
+    try:
+        for i in range(repeats + 1):  # the first copy saves the blocks into host RAM
+            mover.submit([BlockCopy(i, "load" if i else "save", ids, hashes)])
+            while not mover.completed():
+                mover.wait(0.1)
+    finally:
+        mover.close()
+        store.close()
+    return blocks * mover.block_nbytes / float(np.median(seconds))
 
 
 def _shape(plan) -> StepShape:
@@ -149,8 +182,10 @@ def peak_cost_model() -> CostModel:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     cost = peak_cost_model()
-    samples = measure(args.model_path, args.threads, args.repeats)
+    engine = build_engine(args.model_path, args.threads)
+    samples = measure(args.model_path, args.threads, args.repeats, engine=engine)
     result = fit(samples, cost)
+    result["host_bw"] = measure_host_load(engine, repeats=args.repeats)
     print(f"{'step':<28}{'measured ms':>12}")
     for s in samples:
         label = f"{s.shape.chunks} seqs, {s.shape.tokens} tokens"

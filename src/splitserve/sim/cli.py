@@ -54,11 +54,22 @@ def _add_run_args(p: argparse.ArgumentParser, deployment: bool = True) -> None:
     s.add_argument("--max-num-seqs", type=int, default=256)
     s.add_argument("--max-num-batched-tokens", type=int, default=8192)
     s.add_argument("--kv-cache-gb", type=float, default=None, help="per worker")
+    s.add_argument(
+        "--host-kv-gb", type=float, default=0.0, help="host-RAM KV tier per worker (0: none)"
+    )
+    s.add_argument(
+        "--disk-kv-gb", type=float, default=0.0, help="local-disk KV tier per worker (0: none)"
+    )
     s.add_argument("--policy", default="session", choices=sorted(POLICIES))
     s.add_argument("--prefill-policy", default="prefix", choices=sorted(POLICIES))
     s.add_argument("--remote-prefill-threshold", type=int, default=64)
     s.add_argument(
         "--itl", action="store_true", help="record every inter-token gap (ITL statistics)"
+    )
+    s.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="chat sessions' prompts carry the chat template's tokens (ChatML)",
     )
     if deployment:
         d = p.add_argument_group("deployment")
@@ -82,10 +93,13 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_gb=args.kv_cache_gb,
+        host_kv_gb=args.host_kv_gb,
+        disk_kv_gb=args.disk_kv_gb,
         policy=args.policy,
         prefill_policy=args.prefill_policy,
         remote_prefill_threshold=args.remote_prefill_threshold,
         record_itl=args.itl,
+        chat_template=args.chat_template,
     )
 
 

@@ -25,16 +25,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from splitserve.bench.metrics import RequestRecord
-from splitserve.bench.workloads import SessionSpec
+from splitserve.bench.workloads import API_CHAT, SessionSpec
 from splitserve.common.kv_hash import BlockChain, BlockHash, root_hash
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerConfig
 from splitserve.engine.sequence import Sequence
 from splitserve.router.policies import RequestInfo, make_policy
 from splitserve.router.worker import Worker
+from splitserve.sim.chat import append_prompt, append_reply
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.engine import SimEngine, StepReport
 from splitserve.sim.events import EventQueue
+from splitserve.sim.tiers import SimLadder, TierLoad
 
 PREFILL_SUFFIX = "/prefill"
 
@@ -67,6 +69,7 @@ class SimWorker:
     busy_s: float = 0.0
     steps: int = 0
     link_free: float = 0.0  # inbound KV link busy until
+    mover_free: float = 0.0  # lower-tier loads busy until (one at a time, as one mover)
     calls: list[Callable[[], None]] = field(default_factory=list)
     in_calls: bool = False
 
@@ -91,6 +94,9 @@ class SimStats:
     local_prefills: int = 0
     transfer_fallbacks: int = 0
     kv_blocks_moved: int = 0
+    tier_loads: int = 0
+    tier_blocks_host: int = 0  # blocks loaded into device pools from host RAM
+    tier_blocks_disk: int = 0  # ... from disk
 
 
 class Cluster:
@@ -103,6 +109,7 @@ class Cluster:
         self.cost = config.cost_model(deployment.tp)
         self.num_blocks = config.kv_blocks(self.cost)
         self.max_model_len = self.config.model_len(self.num_blocks)
+        self.tier_blocks = config.tier_blocks(self.cost)  # [(tier, capacity in blocks)]
         self._outputs: dict[str, tuple[int, ...]] = {}
         self._requests: dict[str, _Request] = {}
         self._params: dict[int, SamplingParams] = {}
@@ -137,6 +144,7 @@ class Cluster:
                 self._outputs.__getitem__,
                 exact=self.config.exact,
                 log_steps=self.config.record_itl,
+                tiers=SimLadder(self.tier_blocks) if self.tier_blocks else None,
             )
             name = f"{role}{i}"
             out.append(
@@ -179,8 +187,7 @@ class Cluster:
         turn = spec.turns[k]
         context = self._contexts[spec.session_id]
         cached_before = len(context)
-        for seg in turn.segments:
-            context.extend(seg.token_ids)
+        append_prompt(context, turn.segments, self._chat(spec))
         rid = f"{spec.session_id}#{k}"
         self._outputs[rid] = turn.output_ids
         key = spec.session_id if spec.sticky else f"prefix:{hash(tuple(context[:128]))}"
@@ -268,6 +275,8 @@ class Cluster:
                 call()
             w.in_calls = False
             duration = w.engine.begin()
+            if w.engine.tiering is not None:
+                self._start_loads(w)
             if duration is not None and w.calls and w.engine.in_run:
                 duration = w.engine.interrupt(0.0)  # the queued calls wait one step only
             if duration is not None:
@@ -293,6 +302,25 @@ class Cluster:
         report = w.engine.end()
         self._handle(w, report)
         self._begin(w)
+
+    def _start_loads(self, w: SimWorker) -> None:
+        """Queue the tier loads ``w``'s engine just decided on its mover, one after another;
+        each lands at the step boundary after it ends."""
+        bs = self.config.block_size
+        for load in w.engine.take_loads():
+            start = max(self.now, w.mover_free)
+            w.mover_free = start + self.cost.tier_load_time(
+                load.host_blocks * bs, load.disk_blocks * bs
+            )
+            s = self.stats
+            s.tier_loads += 1
+            s.tier_blocks_host += load.host_blocks
+            s.tier_blocks_disk += load.disk_blocks
+            self.events.at(w.mover_free, self._loaded, (w, load))
+
+    def _loaded(self, arg: tuple[SimWorker, TierLoad]) -> None:
+        w, load = arg
+        self._on_engine(w, lambda: w.engine.land(load))
 
     def _on_engine(self, w: SimWorker, call: Callable[[], None]) -> None:
         """Run ``call`` on ``w``'s engine between steps."""
@@ -329,9 +357,13 @@ class Cluster:
     def _hits(self, req: _Request, p: SimWorker, d: SimWorker, kept: Sequence) -> None:
         """D's engine, between steps: which of the prompt's blocks it holds already. Like the
         real decode worker's, each of its engine calls waits for its own step boundary."""
-        bm = d.engine.block_manager
-        usable = bm.reusable_blocks(len(req.prompt))
-        hits = len(bm.cached_chain(bm.chain(kept, usable), usable))
+        bm, tiering = d.engine.block_manager, d.engine.tiering
+        if tiering is not None:  # what lower tiers hold starts up now and is not pulled
+            held, loading = tiering.prefetch(req.prompt, self.root)
+            hits = held + loading
+        else:
+            usable = bm.reusable_blocks(len(req.prompt))
+            hits = len(bm.cached_chain(bm.chain(kept, usable), usable))
         self._on_engine(d, lambda: self._pull(req, p, d, kept, hits))
 
     def _pull(self, req: _Request, p: SimWorker, d: SimWorker, kept: Sequence, hits: int) -> None:
@@ -366,8 +398,7 @@ class Cluster:
         loaded: list[BlockHash],
         start: int,
     ) -> None:
-        d.engine.block_manager.register(dest, loaded, req.prompt, start)
-        d.engine.blocks_released()
+        d.engine.register(dest, loaded, req.prompt, start)
         self._release_lease(p, kept)
         self._decode_leg(req, d)
 
@@ -418,8 +449,12 @@ class Cluster:
             del self._contexts[spec.session_id]
             del self._chains[spec.session_id]
             return
-        self._contexts[spec.session_id].extend(output)
+        append_reply(self._contexts[spec.session_id], output, self._chat(spec))
         self.events.at(self.now + spec.turns[k + 1].pause_s, self._next_turn, (spec, k + 1))
+
+    def _chat(self, spec: SessionSpec) -> bool:
+        """Whether ``spec``'s prompts carry the chat template's tokens."""
+        return self.config.chat_template and spec.api == API_CHAT
 
     def _next_turn(self, arg: tuple[SessionSpec, int]) -> None:
         self._send(*arg)

@@ -157,6 +157,17 @@ class CostModel:
         )
         return latency + num_tokens * self.kv_bytes_per_token_gpu / bw
 
+    def tier_load_time(self, host_tokens: int, disk_tokens: int) -> float:
+        """Loading KV from this worker's lower tiers into its pool: each GPU reads its own
+        shard, the tokens found in host RAM over its host link, those only on disk from its
+        drive and then over the host link (the disk tier's latency when any is on disk)."""
+        if host_tokens + disk_tokens <= 0:
+            return 0.0
+        hw, kv = self.hw, self.kv_bytes_per_token_gpu
+        latency = hw.disk_latency_s if disk_tokens else hw.host_latency_s
+        host = (host_tokens + disk_tokens) * kv / hw.host_bw
+        return latency + host + disk_tokens * kv / hw.disk_bw
+
 
 @dataclass(frozen=True, slots=True)
 class DecodeLine:

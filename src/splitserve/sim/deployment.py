@@ -57,9 +57,12 @@ class SimConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     kv_cache_gb: float | None = None  # per worker; None: what HBM leaves after the weights
+    host_kv_gb: float = 0.0  # per worker: a host-RAM KV tier (0: none), as --host-kv-gb
+    disk_kv_gb: float = 0.0  # per worker: a local-disk KV tier below it (0: none)
     policy: str = "session"
     prefill_policy: str = "prefix"
     remote_prefill_threshold: int = DEFAULT_REMOTE_PREFILL_THRESHOLD
+    chat_template: bool = False  # chat-API sessions' prompts carry ChatML's tokens (sim/chat.py)
     exact: bool = False  # every step through the real schedule()/update() (slow; for tests)
     record_itl: bool = False  # every request's inter-token gaps (memory grows with tokens)
 
@@ -74,6 +77,8 @@ class SimConfig:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError("max_num_seqs must not exceed max_num_batched_tokens")
+        if not (self.host_kv_gb >= 0 and self.disk_kv_gb >= 0):
+            raise ValueError("host_kv_gb and disk_kv_gb must be >= 0")
 
     def cost_model(self, tp: int) -> CostModel:
         return CostModel(self.model, self.hardware, tp, self.dtype, self.kv_dtype)
@@ -84,6 +89,14 @@ class SimConfig:
         else:
             tokens = cost.kv_pool_tokens()
         return max(1, tokens // self.block_size)
+
+    def tier_blocks(self, cost: CostModel) -> list[tuple[str, int]]:
+        """The lower KV tiers of one worker, fastest first, as (name, capacity in blocks): a
+        block is the KV of ``block_size`` tokens on all of the worker's GPUs, as the real
+        tiers count payload bytes."""
+        block_bytes = self.block_size * cost.kv_bytes_per_token_gpu * cost.tp
+        tiers = (("host", self.host_kv_gb), ("disk", self.disk_kv_gb))
+        return [(name, int(gb * 2**30 // block_bytes)) for name, gb in tiers if gb > 0]
 
     def model_len(self, num_blocks: int) -> int:
         """The engine's rule: the model's context, bounded by the KV pool and the setting."""

@@ -17,6 +17,12 @@ real scheduler must see it (preemption). When nothing else can run (no prefill, 
 admission possible), a whole run of decode steps is taken at once, its time summed in closed
 form (``DecodeLine``). ``exact=True`` runs every step through the real ``schedule()`` and
 ``update()`` instead; the tests check both give the same timings.
+
+With lower KV tiers (``sim/tiers.py``) the real scheduler consults the real ``Tiering`` at
+admission, as in the real engine. Blocks that lazily advanced sequences completed are
+handed to the tiers at the end of each step or run, in the order the real engine saves
+them (by the step they completed at, then running order), so the tiers' LRU order is the
+same as when stepping exactly.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
+from splitserve.common.kv_hash import BlockHash
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.plan import StepPlan, StepResult
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
 from splitserve.engine.sequence import Sequence
 from splitserve.sim.cost_model import CostModel, DecodeLine, StepShape, largest_within
 from splitserve.sim.step_log import StepLog
+from splitserve.sim.tiers import SimLadder, SimTiering, TierLoad
 
 
 @dataclass(slots=True)
@@ -60,17 +68,21 @@ class SimEngine:
         outputs: Callable[[str], Sequence_[int]],
         exact: bool = False,
         log_steps: bool = False,
+        tiers: SimLadder | None = None,
     ) -> None:
         if config.max_num_seqs > config.max_num_batched_tokens:
             raise ValueError("max_num_seqs must not exceed max_num_batched_tokens")
         self.cost = cost
         self.config = config
         self.block_manager = BlockManager(num_blocks, block_size)
+        # Lower KV tiers: the real policy, consulted by the real scheduler at admission.
+        self.tiering = None if tiers is None else SimTiering(self.block_manager, tiers)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
             ),
             self.block_manager,
+            self.tiering,
         )
         self.outputs = outputs
         self.exact = exact
@@ -90,6 +102,9 @@ class SimEngine:
         self._blocked = False  # admission failed and nothing has freed blocks since
         self._plan: StepPlan | None = None
         self._run: _Run | None = None
+        # Blocks decoding sequences completed, waiting to be saved down the tiers in order:
+        # (step, running order, block id, hash).
+        self._saves: list[tuple[int, int, int, BlockHash]] = []
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -104,6 +119,28 @@ class SimEngine:
     @property
     def in_run(self) -> bool:
         return self._run is not None
+
+    # ---- KV from outside: a pull, the lower tiers ----------------------------------------
+
+    def register(
+        self, block_ids: list[int], hashes: list[BlockHash], token_ids: list[int], start: int
+    ) -> None:
+        """Publish pulled blocks; like computed ones, they are saved down the tiers."""
+        self.block_manager.register(block_ids, hashes, token_ids, start)
+        if self.tiering is not None:
+            self.tiering.on_cached(list(zip(block_ids, hashes, strict=True)))
+        self._blocked = False
+
+    def take_loads(self) -> list[TierLoad]:
+        """Tier loads the last step's admissions (or a prefetch) started."""
+        return [] if self.tiering is None else self.tiering.take_loads()
+
+    def land(self, load: TierLoad) -> None:
+        """A tier load finished: its sequences go back to the front of the queue."""
+        assert self.tiering is not None, "a load landed on a worker without tiers"
+        for seq in reversed(self.tiering.land(load)):
+            self.scheduler.resume(seq)
+        self._blocked = False
 
     # ---- stepping ------------------------------------------------------------------------
 
@@ -269,11 +306,17 @@ class SimEngine:
 
     def _advance(self, upto: int, report: StepReport) -> None:
         """Bring the decoding sequences to ``upto`` steps: blocks, then finishes."""
-        while self._crossings and self._crossings[0][0] <= upto:
+        # With lower tiers, blocks that fill at ``upto`` itself are published now too (their
+        # sequence needs its next block only one step later): saved at their own step.
+        last = upto if self.tiering is None else upto + 1
+        touched = []
+        while self._crossings and self._crossings[0][0] <= last:
             entry = heapq.heappop(self._crossings)
             if self._live(entry, 0):
                 self._materialize(entry[2], upto)
-                self._schedule(entry[2])
+                touched.append(entry[2])
+        for seq in touched:
+            self._schedule(seq)
         done = []
         while self._finishes and self._finishes[0][0] <= upto:
             entry = heapq.heappop(self._finishes)
@@ -288,6 +331,8 @@ class SimEngine:
             report.finished.append(seq)
         if done:
             self._blocked = False
+        if self._saves:
+            self._save_in_order()
 
     def _materialize(self, seq: Sequence, upto: int) -> None:
         k = upto - self._base[seq]
@@ -298,8 +343,27 @@ class SimEngine:
         seq.num_computed_tokens += k
         n = seq.num_output_tokens
         seq.token_ids.extend(self.outputs(seq.request_id)[n : n + k])
-        bm.cache_full_blocks(seq)
+        published = bm.cache_full_blocks(seq)
+        if published and self.tiering is not None:
+            self._pend_saves(seq, published, upto - k, seq.num_computed_tokens - k)
         self._base[seq] = upto
+
+    def _pend_saves(
+        self, seq: Sequence, published: list[tuple[int, BlockHash]], base: int, computed: int
+    ) -> None:
+        """File the blocks ``seq`` completed since step ``base`` (``computed`` tokens then)
+        under the step each completed at: ``_save_in_order`` hands them to the tiers as the
+        real engine would have, step by step, in running order."""
+        bs, order = self.block_manager.block_size, self._order[seq]
+        first = len(seq.block_hashes) - len(published)
+        for i, (block_id, block_hash) in enumerate(published, first):
+            self._saves.append((base + (i + 1) * bs - computed, order, block_id, block_hash))
+
+    def _save_in_order(self) -> None:
+        assert self.tiering is not None
+        self._saves.sort(key=lambda s: (s[0], s[1]))
+        self.tiering.on_cached([(block_id, h) for _, _, block_id, h in self._saves])
+        self._saves.clear()
 
     def _live(self, entry: tuple[int, int, Sequence], kind: int) -> bool:
         due = self._due.get(entry[2])
@@ -355,6 +419,8 @@ class SimEngine:
         """Hand every decoding sequence back to the real scheduler, up to date."""
         for seq in self.scheduler.running[: self._n_dec]:
             self._materialize(seq, self.steps)
+        if self._saves:
+            self._save_in_order()
         self._base.clear()
         self._order.clear()
         self._due.clear()

@@ -3,6 +3,11 @@
 Peaks are the vendors' datasheet numbers (dense, no sparsity), per GPU. ``link_bw`` is one
 GPU's one-direction bandwidth to its peers in the node (NVLink / Infinity Fabric);
 ``net_bw`` its share of the scale-out network (one 400 Gb/s NIC per GPU = 50 GB/s).
+``host_bw`` is one GPU's host link, one direction (PCIe Gen5 x16: 32 GT/s x 16 lanes,
+128b/130b = 63 GB/s, quoted as 128 GB/s both directions), over which KV blocks load from
+the host-RAM tier; ``disk_bw`` one local NVMe drive's sequential read per GPU (DGX H100 and
+B200 carry eight 3.84 TB U.2 NVMe data drives, PCIe Gen4 x4, ~7 GB/s each), over which
+they load from the disk tier.
 
 The efficiency factors and the step overhead are not datasheet numbers: for the GPUs they
 are the usual published operating points of a tuned serving engine (prefill GEMMs at ~60%
@@ -40,12 +45,16 @@ class HardwareProfile:
     # The router's decode leg after a remote prefill: the prefill's HTTP answer, the second
     # request, the decode worker's pull setup (before any KV moves).
     remote_leg_s: float = 1e-3
+    host_bw: float = 64 * GB  # bytes/s, one direction, host RAM <-> one GPU (KV tier loads)
+    host_latency_s: float = 10e-6  # one tier load's setup (a copy launch)
+    disk_bw: float = 7 * GB  # bytes/s, local disk reads per GPU
+    disk_latency_s: float = 100e-6  # an NVMe read's latency
     memory_utilization: float = 0.9  # of HBM the engine may use (weights + KV), as vLLM's
     source: str = ""
     notes: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("hbm_bw", "hbm_bytes", "link_bw", "net_bw"):
+        for name in ("hbm_bw", "hbm_bytes", "link_bw", "net_bw", "host_bw", "disk_bw"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"hardware {self.name}: {name} must be > 0")
         for name in ("compute_eff", "memory_eff", "memory_utilization"):
@@ -76,7 +85,8 @@ HARDWARE: dict[str, HardwareProfile] = {
             net_bw=50 * GB,
             source="NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOP/s BF16 and 1979 "
             "TFLOP/s FP8 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (both directions); "
-            "ConnectX-7 400 Gb/s per GPU in DGX H100",
+            "ConnectX-7 400 Gb/s per GPU in DGX H100; PCIe Gen5 x16 to the host (128 GB/s both "
+            "directions); DGX H100: 8 x 3.84 TB U.2 NVMe data drives",
         ),
         HardwareProfile(
             name="h200",
@@ -86,7 +96,8 @@ HARDWARE: dict[str, HardwareProfile] = {
             link_bw=450 * GB,
             net_bw=50 * GB,
             source="NVIDIA H200 Tensor Core GPU datasheet (SXM): H100's compute, 141 GB "
-            "HBM3e at 4.8 TB/s, NVLink 900 GB/s; 400 Gb/s NIC per GPU in HGX H200",
+            "HBM3e at 4.8 TB/s, NVLink 900 GB/s; 400 Gb/s NIC per GPU in HGX H200; PCIe Gen5 "
+            "x16 to the host (128 GB/s both directions)",
         ),
         HardwareProfile(
             name="mi300x",
@@ -97,7 +108,8 @@ HARDWARE: dict[str, HardwareProfile] = {
             net_bw=50 * GB,
             source="AMD Instinct MI300X datasheet: 1307.4 TFLOP/s BF16 and 2614.9 TFLOP/s FP8 "
             "dense, 192 GB HBM3 at 5.3 TB/s, 7 Infinity Fabric links of 64 GB/s per "
-            "direction (448 GB/s); 400 Gb/s NIC per GPU in an 8-GPU platform",
+            "direction (448 GB/s); 400 Gb/s NIC per GPU in an 8-GPU platform; PCIe Gen5 x16 "
+            "host interface (128 GB/s both directions)",
         ),
         HardwareProfile(
             name="b200",
@@ -108,7 +120,8 @@ HARDWARE: dict[str, HardwareProfile] = {
             net_bw=50 * GB,
             source="NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 training (sparse) over 8 GPUs = "
             "4.5 PFLOP/s FP8 and 2.25 PFLOP/s BF16 dense per GPU, 1,440 GB HBM3e (180 GB per "
-            "GPU) at 64 TB/s (8 TB/s per GPU), NVLink 5 at 1.8 TB/s (both directions)",
+            "GPU) at 64 TB/s (8 TB/s per GPU), NVLink 5 at 1.8 TB/s (both directions); PCIe "
+            "Gen5 x16 to the host per GPU; 8 x 3.84 TB U.2 NVMe data drives",
         ),
         # This machine, one engine thread, float32. Peaks are what a 1-thread float32 matmul
         # and a large tensor copy reach here (benchmarks/engine_throughput.py measures both);
@@ -131,10 +144,19 @@ HARDWARE: dict[str, HardwareProfile] = {
             net_latency_s=2e-3,
             allreduce_latency_s=0.0,
             remote_leg_s=0.13,  # benchmarks/disagg_latency.py: +140 ms TTFT, 14 ms of it the pull
+            # The KV mover's host-RAM load, idle engine: 128 blocks of 720 KiB (2,048 tokens)
+            # in 28-29 ms (benchmarks/kv_tier_overlap.py, docs/benchmarks.md) = 3.3 GB/s.
+            host_bw=3.3 * GB,
+            host_latency_s=1e-3,
+            # DiskTier.load on a quiet machine: 42-45% of a 2.0-2.3 GB/s raw read
+            # (benchmarks/kv_tiers.py, docs/benchmarks.md), then the host copy above.
+            disk_bw=0.9 * GB,
+            disk_latency_s=1e-3,
             memory_utilization=1.0,
             source="measured on the development machine (2-core VM, no GPU): float32 matmul "
             "at one thread and memory copy bandwidth; KV transfer over loopback TCP from "
-            "benchmarks/kv_transfer.py; fitted factors from `splitserve sim calibrate`",
+            "benchmarks/kv_transfer.py; KV tier loads from benchmarks/kv_tier_overlap.py and "
+            "benchmarks/kv_tiers.py; fitted factors from `splitserve sim calibrate`",
         ),
     )
 }
@@ -159,4 +181,7 @@ def load_calibration(hw: HardwareProfile, path: str) -> HardwareProfile:
     keys = ("compute_eff", "memory_eff", "step_overhead_s", "seq_overhead_s")
     if not isinstance(fit, dict) or not all(isinstance(fit.get(k), int | float) for k in keys):
         raise ValueError(f"calibration file {path} has no fit with {', '.join(keys)}")
-    return hw.with_fit(**{k: float(fit[k]) for k in keys})
+    values = {k: float(fit[k]) for k in keys}
+    if isinstance(fit.get("host_bw"), int | float) and fit["host_bw"] > 0:
+        values["host_bw"] = float(fit["host_bw"])  # measured host-tier loads (newer files)
+    return hw.with_fit(**values)

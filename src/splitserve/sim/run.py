@@ -67,4 +67,18 @@ def _counters(cluster: Cluster) -> dict[str, float]:
         "prefix cache hit rate (%)": 100.0 * hits / queries if queries else 0.0,
         "mean worker busy (%)": 100.0 * sum(w.busy_s for w in workers) / (span * len(workers)),
         "engine steps (events)": sum(w.steps for w in workers),
+        **_tier_counters(cluster),
+    }
+
+
+def _tier_counters(cluster: Cluster) -> dict[str, float]:
+    tierings = [w.engine.tiering for w in cluster.workers if w.engine.tiering is not None]
+    if not tierings:
+        return {}
+    s = cluster.stats
+    return {
+        "KV tier loads": s.tier_loads,
+        "KV blocks loaded from host RAM": s.tier_blocks_host,
+        "KV blocks loaded from disk": s.tier_blocks_disk,
+        "KV blocks saved below the pool": sum(t.stats.blocks_saved for t in tierings),
     }
