@@ -6,9 +6,11 @@ import json
 
 import pytest
 
+from splitserve.cli import main
 from splitserve.sim.calibrate import (
     Sample,
     build_engine,
+    cost_model_of,
     fit,
     measure,
     measure_host_load,
@@ -20,28 +22,73 @@ from splitserve.sim.hardware import get_hardware, load_calibration
 
 def shapes() -> list[StepShape]:
     prefills = [StepShape(n, 1, n * (n + 1) / 2, n, 1) for n in (32, 128, 256, 512)]
+    prefills += [StepShape(n, 1, n * 512 + n * (n + 1) / 2, 512 + n, 1) for n in (32, 128)]
     decodes = [StepShape(b, b, b * 129, b * 129, b) for b in (1, 4, 8, 16)]
     return prefills + decodes
 
 
-def test_fit_recovers_the_factors_that_made_the_times():
-    cost = peak_cost_model()
-    truth = dict(ce=0.4, me=0.55, o=0.012, so=0.0015)
-    samples = [
-        Sample(
-            s,
-            max(cost.compute_time(s) / truth["ce"], cost.memory_time(s) / truth["me"])
-            + truth["o"]
-            + truth["so"] * s.chunks,
-        )
-        for s in shapes()
-    ]
-    got = fit(samples, cost)
-    assert got["compute_eff"] == pytest.approx(0.4, abs=0.011)
-    assert got["memory_eff"] == pytest.approx(0.55, abs=0.011)
-    assert got["step_overhead_s"] == pytest.approx(0.012, rel=0.15)
-    assert got["seq_overhead_s"] == pytest.approx(0.0015, rel=0.15)
+TRUTH = {
+    "compute_eff": 0.4,
+    "memory_eff": 0.55,
+    "attention_eff": 0.25,
+    "step_overhead_s": 0.012,
+    "seq_overhead_s": 0.0015,
+    "multi_row_overhead_s": 0.03,
+}
+
+
+def synthetic(truth: dict[str, float], grid: list[StepShape] | None = None) -> list[Sample]:
+    """Step times made by the cost model's own form with known factors."""
+    cost = cost_model_of(truth)
+    return [Sample(s, cost.step_time(s)) for s in grid or shapes()]
+
+
+def assert_recovered(got: dict[str, float], truth: dict[str, float]) -> None:
+    assert got["compute_eff"] == pytest.approx(truth["compute_eff"], abs=0.011)
+    assert got["memory_eff"] == pytest.approx(truth["memory_eff"], abs=0.011)
+    assert got["attention_eff"] == pytest.approx(truth["attention_eff"], abs=0.011)
+    for key in ("step_overhead_s", "seq_overhead_s", "multi_row_overhead_s"):
+        assert got[key] == pytest.approx(truth[key], rel=0.15, abs=1e-4), key
     assert got["max_rel_error"] < 0.03
+
+
+@pytest.mark.parametrize("multi_row", [0.03, 0.0])
+def test_fit_recovers_the_factors_that_made_the_times(multi_row):
+    truth = {**TRUTH, "multi_row_overhead_s": multi_row}
+    assert_recovered(fit(synthetic(truth), peak_cost_model()), truth)
+
+
+def test_refit_cli_recovers_the_factors_from_a_stored_file(tmp_path, capsys):
+    # A file as older `sim calibrate --out` wrote it: tokens and sequences only (prefills
+    # from position 0 and decode steps: its grid had no prefill after a context), a host_bw.
+    old = tmp_path / "old.json"
+    grid = [s for s in shapes() if s.chunks > 1 or s.kv_read == s.tokens]
+    rows = [
+        {"tokens": s.shape.tokens, "seqs": s.shape.chunks, "seconds": s.seconds}
+        for s in synthetic(TRUTH, grid)
+    ]
+    old.write_text(json.dumps({"fit": {"host_bw": 1.3e9}, "samples": rows}))
+    new = tmp_path / "new.json"
+    assert main(["sim", "calibrate", "--refit", str(old), "--out", str(new)]) == 0
+    assert "rms_rel_error" in capsys.readouterr().out
+    stored = json.loads(new.read_text())
+    # Its shapes are the ones that made the times, now stored whole; the fit reproduces the
+    # times (that grid cannot tell every term apart: the full grid's recovery is above).
+    assert [
+        StepShape(r["tokens"], r["sampled"], r["attended"], r["kv_read"], r["seqs"])
+        for r in stored["samples"]
+    ] == grid
+    assert stored["fit"]["max_rel_error"] < 0.01
+    assert stored["fit"]["host_bw"] == 1.3e9  # measured, not fitted: carried over
+    hw = load_calibration(get_hardware("cpu-local"), str(new))
+    assert hw.multi_row_overhead_s == stored["fit"]["multi_row_overhead_s"]
+    # The new file refits to the same fit; a file with no samples is a clear error.
+    again = tmp_path / "again.json"
+    assert main(["sim", "calibrate", "--refit", str(new), "--out", str(again)]) == 0
+    assert json.loads(again.read_text())["fit"] == stored["fit"]
+    old.write_text(json.dumps({"fit": {}}))
+    with pytest.raises(SystemExit, match="cannot read calibration samples"):
+        main(["sim", "calibrate", "--refit", str(old)])
 
 
 def test_a_calibration_file_sets_the_profile(tmp_path):
@@ -51,6 +98,8 @@ def test_a_calibration_file_sets_the_profile(tmp_path):
     hw = load_calibration(get_hardware("cpu-local"), str(path))
     assert (hw.compute_eff, hw.memory_eff, hw.step_overhead_s) == (0.3, 0.4, 0.01)
     assert hw.host_bw == get_hardware("cpu-local").host_bw  # a file without it: the profile's
+    # Fitted before these terms existed: without them.
+    assert hw.multi_row_overhead_s == 0.0 and hw.attention_eff is None
     path.write_text(json.dumps({"fit": {**fitted, "host_bw": 5e9}}))
     assert load_calibration(get_hardware("cpu-local"), str(path)).host_bw == 5e9
     path.write_text("{}")
@@ -61,11 +110,21 @@ def test_a_calibration_file_sets_the_profile(tmp_path):
 def test_the_real_engine_steps_and_host_tier_loads_are_measured():
     engine = build_engine(None, threads=1)
     samples = measure(
-        None, threads=1, repeats=1, prefill_lens=(16, 48), decode_batches=(1, 3), engine=engine
+        None,
+        threads=1,
+        repeats=1,
+        prefill_lens=(16, 48),
+        decode_batches=(1, 3),
+        engine=engine,
+        context_prefills=((16, 32),),
     )
-    prefill = [s.shape for s in samples[:2]]
-    assert prefill == [StepShape(16, 1, 16 * 17 / 2, 16, 1), StepShape(48, 1, 48 * 49 / 2, 48, 1)]
-    decode = [s.shape for s in samples[2:]]
+    prefill = [s.shape for s in samples[:3]]
+    assert prefill == [
+        StepShape(16, 1, 16 * 17 / 2, 16, 1),
+        StepShape(48, 1, 48 * 49 / 2, 48, 1),
+        StepShape(16, 1, 16 * 32 + 16 * 17 / 2, 48, 1),  # 16 new tokens after 32 cached
+    ]
+    decode = [s.shape for s in samples[3:]]
     assert [(s.tokens, s.chunks) for s in decode] == [(1, 1), (3, 3)]
     assert all(s.seconds > 0 for s in samples)
     # The real KV mover, host RAM -> the engine's KV cache: some bytes per second, at most

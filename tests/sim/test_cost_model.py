@@ -109,3 +109,36 @@ def test_decode_line_across_the_compute_memory_crossover():
     line = DecodeLine(c0=1.0, c1=0.5, m0=5.0, m1=0.1, fixed=0.25)
     expected = sum(max(1.0 + 0.5 * k, 5.0 + 0.1 * k) + 0.25 for k in range(30))
     assert line.total(30) == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_multi_row_overhead_costs_steps_of_more_than_one_token():
+    # cpu-local: a 1-token decode step runs its weight products as GEMV, any larger step as
+    # a GEMM that packs the weights. The GPU profiles carry no such term.
+    model = get_model("smollm2-135m")
+    plain = get_hardware("cpu-local").with_fit(multi_row_overhead_s=0.0)
+    cost = CostModel(model, plain.with_fit(multi_row_overhead_s=0.05), 1, "fp32")
+    without = CostModel(model, plain, 1, "fp32")
+    for batch in (1, 4):
+        step = StepShape(batch, batch, batch * 129, batch * 129, batch)
+        extra = 0.05 if batch > 1 else 0.0
+        assert cost.step_time(step) == pytest.approx(without.step_time(step) + extra, rel=1e-12)
+        assert cost.decode_line(batch, batch * 129).step(0) == pytest.approx(
+            cost.step_time(step), rel=1e-12
+        )
+    prefill = StepShape(32, 1, 32 * 33 / 2, 32, 1)
+    assert cost.step_time(prefill) == pytest.approx(without.step_time(prefill) + 0.05)
+    gpus = [get_hardware(n) for n in ("h100", "h200", "mi300x", "b200")]
+    assert all(g.multi_row_overhead_s == 0.0 and g.attention_eff is None for g in gpus)
+
+
+def test_attention_at_its_own_efficiency():
+    # Attention's FLOPs at attention_eff, the weight products' at compute_eff: a prefill
+    # after a 512-token context pays for the context's attention alone at the slower rate.
+    model = get_model("smollm2-135m")
+    hw = get_hardware("cpu-local").with_fit(compute_eff=0.8, attention_eff=0.4)
+    cost = CostModel(model, hw, 1, "fp32")
+    same = CostModel(model, hw.with_fit(attention_eff=None), 1, "fp32")
+    after, fresh = StepShape(128, 1, 128 * 512 + 128 * 129 / 2, 640, 1), StepShape(128, 1, 0, 0, 1)
+    attention = 4 * model.layers * model.heads * model.head_dim * after.attended / 90e9
+    assert cost.compute_time(after) - cost.compute_time(fresh) == pytest.approx(attention / 0.4)
+    assert same.compute_time(after) - same.compute_time(fresh) == pytest.approx(attention / 0.8)

@@ -1,21 +1,26 @@
 """``splitserve sim calibrate``: fit ``cpu-local`` to the real engine's step times here.
 
 The real ``LLMEngine`` (bundled model, one thread) runs a small grid of steps: single prefills
-of several lengths and decode steps at several batch sizes. Each step's shape goes through
-the cost model with both efficiencies at 1, giving its compute time ``C`` and memory time
-``M`` at peak; the fit finds the efficiencies and overheads minimising the squared relative
-error of::
+of several lengths, prefills after a cached context, and decode steps at several batch sizes.
+Each step's shape goes through the cost model with every efficiency at 1, giving its time at
+peak in weight products ``G``, attention ``A`` and memory ``M``; the fit finds the
+efficiencies and overheads minimising the squared relative error of::
 
-    t = max(C / compute_eff, M / memory_eff) + overhead + per_seq * sequences
+    t = max(G / compute_eff + A / attention_eff, M / memory_eff) + overhead
+        + per_seq * sequences + multi_row * [tokens > 1]
 
-(a grid over the two efficiencies, linear least squares for the two overheads at each).
-It also times the real KV mover loading blocks from a host-RAM tier into the engine's KV
-cache: the simulated host-tier loads' bandwidth (``host_bw``).
+(a grid over the three efficiencies, non-negative linear least squares for the three
+overheads at each point). ``multi_row``: a step of one token runs its weight products as
+GEMV, a larger one as GEMM, which packs the weights first. It also times the real KV mover
+loading blocks from a host-RAM tier into the engine's KV cache: the simulated host-tier
+loads' bandwidth (``host_bw``). ``--refit FILE`` fits the samples of an earlier ``--out``
+file again, measuring nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -29,6 +34,8 @@ from splitserve.sim.models import get_model
 PREFILL_LENS = (32, 128, 256, 512)
 DECODE_BATCHES = (1, 4, 8, 16)
 DECODE_CONTEXT = 128
+# Prefills of (new tokens, cached tokens before them): a later turn over its cached context.
+CONTEXT_PREFILLS = ((32, 512), (128, 512))
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +49,12 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="timed steps per grid point")
     p.add_argument("--out", default=None, help="write the samples and the fit (JSON)")
+    p.add_argument(
+        "--refit",
+        default=None,
+        metavar="FILE",
+        help="fit the samples of an earlier `sim calibrate --out` FILE again (measures nothing)",
+    )
 
 
 def build_engine(model_path: str | None, threads: int):
@@ -58,8 +71,10 @@ def measure(
     prefill_lens: tuple[int, ...] = PREFILL_LENS,
     decode_batches: tuple[int, ...] = DECODE_BATCHES,
     engine=None,
+    context_prefills: tuple[tuple[int, int], ...] = CONTEXT_PREFILLS,
 ) -> list[Sample]:
-    """Step times of the real engine: single prefills, then decode steps at each batch."""
+    """Step times of the real engine: single prefills, prefills after a cached context, then
+    decode steps at each batch."""
     from splitserve.common.sampling_params import SamplingParams
 
     if engine is None:
@@ -85,6 +100,14 @@ def measure(
             engine.add_request(f"c{next(counter)}", prompt(n), one)
             samples.append(timed_step())
     del samples[:repeats]
+    for n, cached in context_prefills:
+        context = prompt(cached)
+        engine.add_request(f"c{next(counter)}", context, one)  # computes and caches it
+        while engine.has_unfinished_requests():
+            engine.step()
+        for _ in range(repeats):
+            engine.add_request(f"c{next(counter)}", context + prompt(n), one)
+            samples.append(timed_step())
     for b in decode_batches:
         params = SamplingParams(max_tokens=repeats + 2, temperature=0.0, ignore_eos=True)
         ids = [f"c{next(counter)}" for _ in range(b)]
@@ -136,73 +159,168 @@ def _shape(plan) -> StepShape:
 
 
 def medians(samples: list[Sample]) -> list[Sample]:
-    """One sample per step shape, its median time: the machine is shared and noisy."""
-    by_shape: dict[StepShape, list[float]] = {}
+    """One sample per step (tokens, sequences, context before them in 16-token blocks), its
+    median time: the machine is shared and noisy. A decode step's context grows by one per
+    repeat; the first one's shape stands for them."""
+    by_step: dict[tuple[int, int, int], list[Sample]] = {}
     for s in samples:
-        by_shape.setdefault(s.shape, []).append(s.seconds)
-    return [Sample(shape, float(np.median(ts))) for shape, ts in by_shape.items()]
+        before = (s.shape.kv_read - s.shape.tokens) // s.shape.chunks
+        by_step.setdefault((s.shape.tokens, s.shape.chunks, before // 16), []).append(s)
+    return [Sample(g[0].shape, float(np.median([s.seconds for s in g]))) for g in by_step.values()]
+
+
+OVERHEADS = ("step_overhead_s", "seq_overhead_s", "multi_row_overhead_s")
 
 
 def fit(samples: list[Sample], cost: CostModel) -> dict[str, float]:
-    """Efficiencies and overheads for ``cost``'s profile (built with both efficiencies 1)."""
-    samples = medians(samples)
-    c = np.array([cost.compute_time(s.shape) for s in samples])
-    m = np.array([cost.memory_time(s.shape) for s in samples])
-    n = np.array([s.shape.chunks for s in samples], dtype=float)
-    t = np.array([s.seconds for s in samples])
-    best = (np.inf, 1.0, 1.0, 0.0, 0.0)
-    for ce in np.linspace(0.05, 1.0, 96):
-        for me in np.linspace(0.05, 1.0, 96):
-            roof = np.maximum(c / ce, m / me)
-            a = np.stack([np.ones_like(t), n], axis=1) / t[:, None]
-            (o, so), *_ = np.linalg.lstsq(a, (t - roof) / t, rcond=None)
-            o, so = max(o, 0.0), max(so, 0.0)
-            err = float(np.sum(((roof + o + so * n) - t) ** 2 / t**2))
-            if err < best[0]:
-                best = (err, ce, me, o, so)
-    err, ce, me, o, so = best
-    pred = np.maximum(c / ce, m / me) + o + so * n
+    """Efficiencies and overheads for ``cost``'s profile (built with every efficiency 1):
+    a coarse grid over the three efficiencies (steps of 0.05), then a fine one (0.01)
+    around its best point."""
+    terms = _Terms(medians(samples), cost)
+    coarse = np.arange(0.05, 1.0 + 1e-9, 0.05)
+    best = terms.best((coarse, coarse, coarse))
+    fine = tuple(np.arange(max(v - 0.05, 0.01), min(v + 0.05, 1.0) + 1e-9, 0.01) for v in best)
+    ce, me, ae = terms.best(fine)
+    roof = np.maximum(terms.gemm / ce + terms.attention / ae, terms.memory / me)
+    coef, rel = terms.overheads(roof[:, None])
     return {
         "compute_eff": float(ce),
         "memory_eff": float(me),
-        "step_overhead_s": float(o),
-        "seq_overhead_s": float(so),
-        "max_rel_error": float(np.max(np.abs(pred - t) / t)),
-        "rms_rel_error": float(np.sqrt(err / len(t))),
+        "attention_eff": float(ae),
+        **{name: float(v) for name, v in zip(OVERHEADS, coef[:, 0], strict=True)},
+        "max_rel_error": float(np.max(np.abs(rel))),
+        "rms_rel_error": float(np.sqrt(np.mean(rel**2))),
     }
+
+
+class _Terms:
+    """Each sample's time at peak (weight products, attention, memory) and overhead terms."""
+
+    def __init__(self, samples: list[Sample], cost: CostModel) -> None:
+        self.attention = np.array([cost.compute_time(_attention_only(s.shape)) for s in samples])
+        self.gemm = np.array([cost.compute_time(s.shape) for s in samples]) - self.attention
+        self.memory = np.array([cost.memory_time(s.shape) for s in samples])
+        self.t = np.array([s.seconds for s in samples])
+        # The overheads' terms: 1, sequences, [tokens > 1].
+        self.x = np.array([[1.0, s.shape.chunks, float(s.shape.tokens > 1)] for s in samples])
+
+    def overheads(self, roofs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Non-negative overheads for each column of roof times, and relative errors."""
+        t = self.t[:, None]
+        coef, _ = _nonnegative_fits(self.x / t, (t - roofs) / t)
+        return coef, (roofs + self.x @ coef - t) / t
+
+    def best(self, axes: tuple[np.ndarray, ...]) -> tuple[float, float, float]:
+        """The (compute, memory, attention) efficiencies on the grid ``axes`` spans with the
+        smallest squared relative error."""
+        ce, me, ae = (g.ravel() for g in np.meshgrid(*axes, indexing="ij"))
+        compute = self.gemm[:, None] / ce + self.attention[:, None] / ae
+        _, rel = self.overheads(np.maximum(compute, self.memory[:, None] / me))
+        i = int(np.argmin(np.sum(rel**2, axis=0)))
+        return float(ce[i]), float(me[i]), float(ae[i])
+
+
+def _attention_only(shape: StepShape) -> StepShape:
+    return StepShape(0, 0, shape.attended, 0, shape.chunks)
+
+
+def _nonnegative_fits(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each column of ``b``, the least-squares ``x >= 0`` of ``a x = b`` and its squared
+    error: every subset of ``a``'s columns solved freely, the best with no negative term (the
+    exact answer for the few terms here)."""
+    k = a.shape[1]
+    best_coef = np.zeros((k, b.shape[1]))
+    best_err = np.sum(b**2, axis=0)  # all terms 0
+    for mask in range(1, 2**k):
+        cols = [i for i in range(k) if mask >> i & 1]
+        sol = np.linalg.pinv(a[:, cols]) @ b
+        err = np.sum((a[:, cols] @ sol - b) ** 2, axis=0)
+        better = (err < best_err) & np.all(sol >= 0, axis=0)
+        best_err = np.where(better, err, best_err)
+        full = np.zeros_like(best_coef)
+        full[cols] = sol
+        best_coef = np.where(better, full, best_coef)
+    return best_coef, best_err
 
 
 def peak_cost_model() -> CostModel:
     """The bundled model on cpu-local at 100% efficiency and no overhead: what ``fit`` scales."""
     hw = get_hardware("cpu-local").with_fit(
-        compute_eff=1.0, memory_eff=1.0, step_overhead_s=0.0, seq_overhead_s=0.0
+        compute_eff=1.0,
+        memory_eff=1.0,
+        attention_eff=1.0,
+        step_overhead_s=0.0,
+        seq_overhead_s=0.0,
+        multi_row_overhead_s=0.0,
     )
     return CostModel(get_model("smollm2-135m"), hw, 1, "fp32")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     cost = peak_cost_model()
-    engine = build_engine(args.model_path, args.threads)
-    samples = measure(args.model_path, args.threads, args.repeats, engine=engine)
+    if args.refit:
+        samples, host_bw = read_samples(args.refit)
+    else:
+        engine = build_engine(args.model_path, args.threads)
+        samples = measure(args.model_path, args.threads, args.repeats, engine=engine)
+        host_bw = measure_host_load(engine, repeats=args.repeats)
     result = fit(samples, cost)
-    result["host_bw"] = measure_host_load(engine, repeats=args.repeats)
-    print(f"{'step':<28}{'measured ms':>12}")
-    for s in samples:
+    if host_bw is not None:
+        result["host_bw"] = host_bw
+    print(f"{'step':<28}{'measured ms':>12}{'fitted ms':>11}")
+    fitted = cost_model_of(result)
+    for s in medians(samples):
         label = f"{s.shape.chunks} seqs, {s.shape.tokens} tokens"
-        print(f"{label:<28}{1000 * s.seconds:>12.1f}")
+        print(f"{label:<28}{1000 * s.seconds:>12.1f}{1000 * fitted.step_time(s.shape):>11.1f}")
     for key, value in result.items():
         print(f"{key}: {value:.4g}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "fit": result,
-                    "samples": [
-                        {"tokens": s.shape.tokens, "seqs": s.shape.chunks, "seconds": s.seconds}
-                        for s in samples
-                    ],
-                },
-                f,
-                indent=1,
-            )
+        write_calibration(args.out, result, samples)
     return 0
+
+
+def cost_model_of(result: dict[str, float]) -> CostModel:
+    """The bundled model on cpu-local with a fit's factors."""
+    keys = ("compute_eff", "memory_eff", "attention_eff", *OVERHEADS)
+    hw = get_hardware("cpu-local").with_fit(**{k: result[k] for k in keys})
+    return CostModel(get_model("smollm2-135m"), hw, 1, "fp32")
+
+
+def write_calibration(path: str, result: dict[str, float], samples: list[Sample]) -> None:
+    rows = [{**dataclasses.asdict(s.shape), "seconds": s.seconds} for s in samples]
+    for row in rows:
+        row["seqs"] = row.pop("chunks")
+    with open(path, "w") as f:
+        json.dump({"fit": result, "samples": rows}, f, indent=1)
+
+
+def read_samples(path: str) -> tuple[list[Sample], float | None]:
+    """The samples of a ``sim calibrate --out`` file and its measured ``host_bw`` (if any).
+    Files before the full shapes were stored hold tokens and sequences only: a single
+    sequence of several tokens is a prefill from position 0, the rest decode steps over
+    ``DECODE_CONTEXT``-token prompts, as ``measure`` takes them."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        rows = data["samples"]
+        samples = [Sample(_stored_shape(r), float(r["seconds"])) for r in rows]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"cannot read calibration samples from {path}: {e!r}") from None
+    if not samples:
+        raise SystemExit(f"{path} holds no samples")
+    host_bw = data.get("fit", {}).get("host_bw")
+    return samples, float(host_bw) if isinstance(host_bw, int | float) else None
+
+
+def _stored_shape(row: dict) -> StepShape:
+    tokens, seqs = int(row["tokens"]), int(row["seqs"])
+    if tokens < 1 or seqs < 1:
+        raise ValueError(f"a step of {tokens} tokens over {seqs} sequences")
+    if "attended" in row:
+        return StepShape(
+            tokens, int(row["sampled"]), float(row["attended"]), int(row["kv_read"]), seqs
+        )
+    if seqs == 1 and tokens > 1:
+        return StepShape(tokens, 1, tokens * (tokens + 1) / 2, tokens, 1)
+    context = DECODE_CONTEXT + 1
+    return StepShape(tokens, seqs, seqs * context, seqs * context, seqs)

@@ -8,9 +8,14 @@ A step is a batch of chunks; chunk ``i`` computes ``n_i`` tokens at positions
     attention   A = sum (n_i * s_i + n_i (n_i + 1) / 2)   (context positions attended)
     KV read     R = sum (s_i + n_i)             (every chunk reads its whole context's KV)
 
-    compute  = (2 P T + 2 V h S + 4 L H d A) / (tp * peak * compute_eff)
+    compute  = (2 P T + 2 V h S) / (tp * peak * compute_eff) + 4 L H d A / (tp * peak * attn_eff)
     memory   = (weights(T) + kv * (R + T)) / (bw * memory_eff)   [per GPU: weights / tp]
-    step     = max(compute, memory) + overhead + per_seq * chunks + all-reduces(T)
+    step     = max(compute, memory) + overhead + per_seq * chunks + multi_row [T > 1]
+               + all-reduces(T)
+
+``attn_eff`` is ``compute_eff`` unless the profile sets its own (``cpu-local``).
+``multi_row`` is a fixed cost of steps of more than one token (0 on the GPU profiles; on
+``cpu-local`` the weight products leave GEMV for a GEMM that packs the weights).
 
 ``P`` is the per-token active parameters without embeddings, ``V h`` the LM head. An MoE
 layer reads only the experts its tokens picked: ``E (1 - (1 - k/E)^T)`` of them on average
@@ -65,7 +70,9 @@ class CostModel:
         # Seconds per unit of each term, per GPU.
         self._t_token = 2 * m.layers * (m.attention_params + m.active_mlp_params) / flops
         self._t_sampled = 2 * m.vocab * m.hidden / flops
-        self._t_attended = 4 * m.layers * m.heads * m.head_dim / flops
+        attention_eff = hardware.attention_eff or hardware.compute_eff
+        attention_flops = tp * hardware.flops(dtype) * attention_eff
+        self._t_attended = 4 * m.layers * m.heads * m.head_dim / attention_flops
         kv_heads_per_gpu = math.ceil(m.kv_heads / tp)
         self.kv_bytes_per_token_gpu = (
             m.kv_bytes_per_token(self.kv_dtype) * kv_heads_per_gpu // m.kv_heads
@@ -80,6 +87,7 @@ class CostModel:
         self._t_expert_layer = m.expert_params * wb / tp / bw * m.layers
         self.weight_bytes_gpu = m.total_params * wb / tp
         self._overhead = hardware.step_overhead_s
+        self._multi_row = hardware.multi_row_overhead_s
         if tp > 1:
             per_token = 2 * (tp - 1) / tp * m.hidden * ACTIVATION_BYTES / hardware.link_bw
             self._t_comm0 = 2 * m.layers * hardware.allreduce_latency_s
@@ -111,9 +119,11 @@ class CostModel:
         return self.weight_time(shape.tokens) + self._t_kv * (shape.kv_read + shape.tokens)
 
     def fixed_time(self, tokens: int, chunks: int) -> float:
-        """What no roofline covers: per-step overhead, per-sequence overhead, all-reduces."""
+        """What no roofline covers: per-step overhead, per-sequence overhead, the multi-row
+        step's overhead, all-reduces."""
         comm = self._t_comm0 + self._t_comm_token * tokens if tokens else 0.0
-        return self._overhead + self.seq_overhead_s * chunks + comm
+        multi_row = self._multi_row if tokens > 1 else 0.0
+        return self._overhead + self.seq_overhead_s * chunks + comm + multi_row
 
     def step_time(self, shape: StepShape) -> float:
         if shape.tokens == 0:

@@ -39,6 +39,12 @@ class HardwareProfile:
     memory_eff: float = 0.8
     step_overhead_s: float = 2e-3
     seq_overhead_s: float = 0.0  # per scheduled sequence (host-side work that grows with batch)
+    # Per step of more than one token: on cpu-local the weight products of a multi-row step
+    # take the GEMM path (which packs the weights) where a 1-row decode step takes GEMV.
+    multi_row_overhead_s: float = 0.0
+    # Attention's share of the compute at its own efficiency (None: compute_eff's). On
+    # cpu-local the runner gathers each chunk's context and runs SDPA, far below GEMM speed.
+    attention_eff: float | None = None
     link_latency_s: float = 10e-6  # one KV transfer's setup, in the node
     net_latency_s: float = 50e-6
     allreduce_latency_s: float = 8e-6  # one small tensor-parallel all-reduce
@@ -57,8 +63,8 @@ class HardwareProfile:
         for name in ("hbm_bw", "hbm_bytes", "link_bw", "net_bw", "host_bw", "disk_bw"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"hardware {self.name}: {name} must be > 0")
-        for name in ("compute_eff", "memory_eff", "memory_utilization"):
-            if not 0 < getattr(self, name) <= 1:
+        for name in ("compute_eff", "memory_eff", "memory_utilization", "attention_eff"):
+            if getattr(self, name) is not None and not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"hardware {self.name}: {name} must be in (0, 1]")
 
     def flops(self, dtype: str) -> float:
@@ -134,12 +140,15 @@ HARDWARE: dict[str, HardwareProfile] = {
             link_bw=1.0 * GB,
             net_bw=1.0 * GB,
             gpus_per_node=64,
-            # `splitserve sim calibrate --repeats 7` on 2026-11-30, load average ~3 on the 2
-            # cores (other jobs running); rms error of the fit 27% (docs/simulator.md).
-            compute_eff=0.73,
-            memory_eff=0.61,
-            step_overhead_s=0.0,
-            seq_overhead_s=14.3e-3,
+            # `splitserve sim calibrate --repeats 5` on 2026-11-30 16:54 UTC on a quiet machine
+            # (load average < 1.4), refitted (`--refit`) with the attention and multi-row
+            # terms: rms error 1.1%, max 2.0% over its 8 step shapes (docs/simulator.md).
+            compute_eff=0.93,
+            memory_eff=1.0,
+            attention_eff=0.32,
+            step_overhead_s=7.2e-3,
+            seq_overhead_s=2.6e-3,
+            multi_row_overhead_s=51.4e-3,
             link_latency_s=2e-3,
             net_latency_s=2e-3,
             allreduce_latency_s=0.0,
@@ -182,6 +191,10 @@ def load_calibration(hw: HardwareProfile, path: str) -> HardwareProfile:
     if not isinstance(fit, dict) or not all(isinstance(fit.get(k), int | float) for k in keys):
         raise ValueError(f"calibration file {path} has no fit with {', '.join(keys)}")
     values = {k: float(fit[k]) for k in keys}
+    # A file fitted before the multi-row term existed was fitted without it.
+    values["multi_row_overhead_s"] = float(fit.get("multi_row_overhead_s", 0.0))
+    attention = fit.get("attention_eff")
+    values["attention_eff"] = float(attention) if isinstance(attention, int | float) else None
     if isinstance(fit.get("host_bw"), int | float) and fit["host_bw"] > 0:
         values["host_bw"] = float(fit["host_bw"])  # measured host-tier loads (newer files)
     return hw.with_fit(**values)
