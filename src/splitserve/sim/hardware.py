@@ -74,7 +74,7 @@ class HardwareProfile:
             known = ", ".join(sorted(self.peak_flops))
             raise ValueError(f"{self.name} has no {dtype} peak; it has {known}") from None
 
-    def with_fit(self, **values: float) -> HardwareProfile:
+    def with_fit(self, **values: float | None) -> HardwareProfile:
         """This profile with fitted efficiency factors / overhead (from ``sim calibrate``)."""
         return dataclasses.replace(self, **values)
 
@@ -190,7 +190,7 @@ def load_calibration(hw: HardwareProfile, path: str) -> HardwareProfile:
     keys = ("compute_eff", "memory_eff", "step_overhead_s", "seq_overhead_s")
     if not isinstance(fit, dict) or not all(isinstance(fit.get(k), int | float) for k in keys):
         raise ValueError(f"calibration file {path} has no fit with {', '.join(keys)}")
-    values = {k: float(fit[k]) for k in keys}
+    values: dict[str, float | None] = {k: float(fit[k]) for k in keys}
     # A file fitted before the multi-row term existed was fitted without it.
     values["multi_row_overhead_s"] = float(fit.get("multi_row_overhead_s", 0.0))
     attention = fit.get("attention_eff")
