@@ -122,6 +122,52 @@ def test_a_load_takes_the_free_blocks_there_are_and_waits_when_none():
     assert d.tier_checked and not tiering.take_copies()
 
 
+def test_a_load_capped_by_free_blocks_brings_the_rest_once_it_lands():
+    # 26 tokens: 6 reusable blocks, all one tier down; another request holds 3 of the 8
+    # device blocks, so the first load takes the 5 free ones, and the sixth block comes in a
+    # second load instead of being recomputed.
+    tokens = list(range(1, 27))
+    lower = Lower(hash_blocks(tokens, ROOT, BS)[:6])
+    sched, tiering = make(num_blocks=8, lower=lower)
+    other = seq("other", 12, first=100)
+    sched.add(other)
+    sched.schedule()  # "other" runs, holding 3 blocks
+    s = seq("a", 26)
+    sched.add(s)
+    assert not sched.schedule().chunks[1:]  # "a" waits for its load
+    [first] = [c for c in tiering.take_copies() if c.kind == "load"]
+    assert len(first.block_ids) == 5 and not s.tier_checked
+    sched.abort("other")
+    [resumed] = tiering.complete(CopyDone(first.copy_id, 5))
+    sched.resume(resumed)
+    assert not sched.schedule().chunks  # the sixth block is on its way up
+    [second] = [c for c in tiering.take_copies() if c.kind == "load"]
+    assert second.hashes == hash_blocks(tokens, ROOT, BS)[5:6] and s.tier_checked
+    [resumed] = tiering.complete(CopyDone(second.copy_id, 1))
+    sched.resume(resumed)
+    plan = sched.schedule()
+    assert [(c.start_pos, c.num_tokens) for c in plan.chunks] == [(24, 2)]
+    assert s.num_cached_tokens == 24 and tiering.stats.blocks_loaded == 6
+
+
+def test_a_capped_load_with_a_miss_recomputes_from_the_miss():
+    tokens = list(range(1, 27))
+    lower = Lower(hash_blocks(tokens, ROOT, BS)[:6])
+    sched, tiering = make(num_blocks=8, lower=lower)
+    sched.add(seq("other", 12, first=100))
+    sched.schedule()
+    s = seq("a", 26)
+    sched.add(s)
+    sched.schedule()
+    [load] = [c for c in tiering.take_copies() if c.kind == "load"]
+    sched.abort("other")
+    [resumed] = tiering.complete(CopyDone(load.copy_id, 2))  # block 2 failed its check
+    assert resumed.tier_checked  # the tiers are not asked again for what failed
+    sched.resume(resumed)
+    plan = sched.schedule()
+    assert [(c.start_pos, c.num_tokens) for c in plan.chunks] == [(8, 18)]
+
+
 def test_a_request_waits_for_the_prefetch_that_brings_its_prefix():
     tokens = list(range(1, 19))
     sched, tiering = make(lower=Lower(hash_blocks(tokens, ROOT, BS)))

@@ -43,7 +43,7 @@ class Sequence:
     # finish in tool calls), under the quota of ``session_id`` (default: the request).
     retention_s: float | None = None
     session_id: str | None = None
-    tier_checked: bool = False  # lower tiers were consulted once; never load twice
+    tier_checked: bool = False  # lower tiers hold nothing more for it (never load twice)
     # The full blocks' hashes, computed once for every lookup and registration; a caller
     # may pass a chain it already has (a session's previous turn), see ``BlockChain``.
     chain: BlockChain | None = None

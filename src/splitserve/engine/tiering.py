@@ -164,9 +164,12 @@ class Tiering:
         if not hashes:
             seq.tier_checked = True
             return Admission.COMPUTE
-        if self._plan_load(seq.token_ids, hashes, match.block_ids, seq.request_id) is None:
+        copy = self._plan_load(seq.token_ids, hashes, match.block_ids, seq.request_id)
+        if copy is None:
             return Admission.WAIT
-        seq.tier_checked = True
+        # A load capped by the free blocks brings the rest in a later one, once it lands:
+        # recomputing what a lower tier holds would cost the most on a crowded pool.
+        seq.tier_checked = len(copy.hashes) == len(hashes)
         self.loading[seq.request_id] = seq
         return Admission.LOADING
 
@@ -269,6 +272,8 @@ class Tiering:
         self.bm.release(copy.block_ids[ok:])
         self.bm.register(copy.block_ids[:ok], copy.hashes[:ok], copy.token_ids)
         self.bm.release(copy.prefix_ids)
+        if ok < len(copy.block_ids) and copy.request_id in self.loading:
+            self.loading[copy.request_id].tier_checked = True  # a miss: recompute from there
         waiting = [copy.request_id, *self._waiters.pop(copy.copy_id, [])]
         return [self.loading.pop(r) for r in waiting if r in self.loading]
 
