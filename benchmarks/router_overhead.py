@@ -163,6 +163,7 @@ class Proc:
         self, argv: list[str], port: int, cpus: set[int] | None = None, env: dict | None = None
     ) -> None:
         self.url = f"http://127.0.0.1:{port}"
+        self.stop_signal = signal.SIGTERM
         self.proc = subprocess.Popen(
             argv, start_new_session=True, cwd=ROOT, preexec_fn=_pinned(cpus), env=env
         )
@@ -180,14 +181,14 @@ class Proc:
             time.sleep(0.2)
         raise TimeoutError(f"{self.url} not ready after {timeout_s}s")
 
-    def cpu_s(self) -> float:
-        """CPU seconds (user + system) the process has used so far."""
+    def cpu_s(self) -> tuple[float, float]:
+        """CPU seconds (user + system, system) the process has used so far."""
         t = psutil.Process(self.proc.pid).cpu_times()
-        return t.user + t.system
+        return t.user + t.system, t.system
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, self.stop_signal)
             try:
                 self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
@@ -251,7 +252,12 @@ def router(
         "--log-level",
         "warning",
     ]
-    return Proc(argv, port, cpus, env)
+    proc = Proc(argv, port, cpus, env)
+    if profile is not None:
+        # uvicorn re-raises SIGTERM after its shutdown, which would kill the process before
+        # cProfile writes; SIGINT becomes a KeyboardInterrupt, and cProfile writes first.
+        proc.stop_signal = signal.SIGINT
+    return proc
 
 
 # ---- part 1: overhead ------------------------------------------------------------------------
@@ -295,7 +301,7 @@ def measure_overhead(
             worker.stop()
     # warm-up requests count too: the CPU was spent on them as well
     routed = args.rounds * args.clients * (args.requests + 1)
-    report_overhead(runs, {k: v / routed for k, v in cpu_s.items()})
+    report_overhead(runs, {k: (v[0] / routed, v[1] / routed) for k, v in cpu_s.items()})
     for name, histograms in phases.items():
         report_phases(name, histograms)
     if args.profile is not None:
@@ -318,7 +324,7 @@ def measure_paths(args: argparse.Namespace, worker_url: str, fronts: dict[str, P
     print(f"arrivals: {args.arrivals}; one request's mean duration {duration * 1e3:.1f} ms")
     urls = {"direct": worker_url, **{k: f.url for k, f in fronts.items()}}
     runs: dict[str, list[Run]] = {name: [] for name in urls}
-    cpu_s = dict.fromkeys(fronts, 0.0)
+    cpu_s = dict.fromkeys(fronts, (0.0, 0.0))
     phases: dict[str, dict] = {name: {} for name in fronts}
     for _ in range(args.rounds):
         for name, url in urls.items():
@@ -326,12 +332,16 @@ def measure_paths(args: argparse.Namespace, worker_url: str, fronts: dict[str, P
             before = (front.cpu_s(), scrape_phases(url)) if front else None
             runs[name].append(asyncio.run(load_run(url, args.clients, plan, warm)))
             if front is not None:
-                cpu_s[name] += front.cpu_s() - before[0]
+                (cpu, system), (cpu0, system0) = front.cpu_s(), before[0]
+                total, total_system = cpu_s[name]
+                cpu_s[name] = (total + cpu - cpu0, total_system + system - system0)
                 phases[name] = merge(phases[name], phase_deltas(before[1], scrape_phases(url)))
     return runs, cpu_s, phases
 
 
-def report_overhead(runs: dict[str, list[Run]], cpu_per_request_s: dict[str, float]) -> None:
+def report_overhead(
+    runs: dict[str, list[Run]], cpu_per_request_s: dict[str, tuple[float, float]]
+) -> None:
     total = {k: [t.total_s for r in rs for t in r.timings] for k, rs in runs.items()}
     first = {k: [t.first_s for r in rs for t in r.timings] for k, rs in runs.items()}
     rps = {k: statistics.mean(r.rps for r in rs) for k, rs in runs.items()}
@@ -360,7 +370,8 @@ def report_overhead(runs: dict[str, list[Run]], cpu_per_request_s: dict[str, flo
             f"p99 {added_first[99]:.2f} ms"
         )
         print(f"{name}: throughput ratio router/direct: {rps[name] / rps['direct']:.3f}")
-        print(f"{name}: router CPU per request: {cpu_per_request_s[name] * 1e3:.2f} ms")
+        cpu, system = cpu_per_request_s[name]
+        print(f"{name}: router CPU per request: {cpu * 1e3:.2f} ms (system {system * 1e3:.2f})")
 
 
 def report_phases(name: str, histograms: dict[str, dict[float, float]]) -> None:

@@ -255,8 +255,8 @@ class Proxy:
                 return Buffered(
                     upstream.status, self._headers(upstream, worker, placement), content
                 )
-            chunks = upstream.content.iter_any()
-            first = await anext(chunks, b"")
+            content = upstream.content
+            first = await content.readany()
             if not first:
                 raise WorkerFailed("the stream ended before its first byte")
             if timeline is not None:
@@ -267,21 +267,27 @@ class Proxy:
             raise e if isinstance(e, WorkerFailed) else WorkerFailed(repr(e)) from e
         self._succeeded(worker, role, placement)
         relay = (
-            self._relay(first, chunks, worker, placement)
+            self._relay(first, content, worker, placement)
             if placement.relay
-            else _raw(first, chunks)
+            else _raw(first, content)
         )
         return Streamed(
             upstream.status, self._headers(upstream, worker, placement), relay, close_once
         )
 
     async def _relay(
-        self, first: bytes, chunks: AsyncIterator[bytes], worker: Worker, placement: Placement
+        self, first: bytes, content: aiohttp.StreamReader, worker: Worker, placement: Placement
     ) -> AsyncIterator[bytes]:
-        assert placement.relay is not None
+        relay = placement.relay
+        assert relay is not None
         try:
-            async for out in placement.relay.relay(_raw(first, chunks)):
-                yield out
+            piece = first
+            while piece:  # the first leg's loop, flat: it runs once per streamed chunk
+                out = relay.feed(piece)
+                if out:
+                    yield out
+                piece = await content.readany()
+            relay.end()
             return
         except (*UPSTREAM_ERRORS, IncompleteStream, ValueError) as e:
             # The client already has part of the answer: resume it elsewhere, not retry it.
@@ -432,10 +438,11 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-async def _raw(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield first
-    async for chunk in chunks:
-        yield chunk
+async def _raw(first: bytes, content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    piece = first
+    while piece:
+        yield piece
+        piece = await content.readany()
 
 
 def _error_event(message: str) -> bytes:
