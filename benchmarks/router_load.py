@@ -22,6 +22,7 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import aiohttp
@@ -92,7 +93,11 @@ async def one_stream(
     return Timing(start - origin, time.perf_counter() - start, first or 0.0)
 
 
-async def load_run(url: str, clients: int, plan: Plan, warm_body: bytes) -> Run:
+async def load_run(
+    url: str, clients: int, plan: Plan, warm_body: bytes, warmed: Callable[[], None] = lambda: None
+) -> Run:
+    """Run ``plan`` against ``url`` after a warm-up wave; ``warmed`` is called in between
+    (nothing is in flight then: it may read the server's counters)."""
     # aiohttp, as the router uses: the load generator shares a core with the worker and must
     # cost little per streamed chunk, or it, not the path under test, sets the latencies.
     # Open loop: no connection limit, so a burst of arrivals is not queued in the client.
@@ -101,6 +106,7 @@ async def load_run(url: str, clients: int, plan: Plan, warm_body: bytes) -> Run:
     async with aiohttp.ClientSession(connector=connector, timeout=_NO_DEADLINE) as session:
         origin = time.perf_counter()
         await asyncio.gather(*(one_stream(session, url, warm_body, origin) for _ in range(clients)))
+        warmed()
         origin = time.perf_counter()
         if plan.starts is not None:
             results = await asyncio.gather(

@@ -299,8 +299,7 @@ def measure_overhead(
             f.stop()
         if worker is not None:
             worker.stop()
-    # warm-up requests count too: the CPU was spent on them as well
-    routed = args.rounds * args.clients * (args.requests + 1)
+    routed = args.rounds * args.clients * args.requests  # warm-ups are not measured
     report_overhead(runs, {k: (v[0] / routed, v[1] / routed) for k, v in cpu_s.items()})
     for name, histograms in phases.items():
         report_phases(name, histograms)
@@ -329,8 +328,13 @@ def measure_paths(args: argparse.Namespace, worker_url: str, fronts: dict[str, P
     for _ in range(args.rounds):
         for name, url in urls.items():
             front = fronts.get(name)
-            before = (front.cpu_s(), scrape_phases(url)) if front else None
-            runs[name].append(asyncio.run(load_run(url, args.clients, plan, warm)))
+            before: list = []
+
+            def warmed(front: Proc | None = front, url: str = url, before: list = before) -> None:
+                if front is not None:
+                    before[:] = [front.cpu_s(), scrape_phases(url)]
+
+            runs[name].append(asyncio.run(load_run(url, args.clients, plan, warm, warmed)))
             if front is not None:
                 (cpu, system), (cpu0, system0) = front.cpu_s(), before[0]
                 total, total_system = cpu_s[name]
@@ -375,7 +379,7 @@ def report_overhead(
 
 
 def report_phases(name: str, histograms: dict[str, dict[float, float]]) -> None:
-    """The router's own phase histograms over the measured runs (warm-ups included)."""
+    """The router's own phase histograms over the measured runs (not their warm-ups)."""
     if not histograms:
         print(f"{name}: no phase histograms on /metrics (a router before they existed)")
         return
