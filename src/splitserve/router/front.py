@@ -78,10 +78,6 @@ class Front:
         self.app = app
         self.endpoint = endpoint
 
-    @property
-    def state(self) -> Any:
-        return self.app.state
-
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and (scope["method"], scope["path"]) in ROUTES:
             await self.endpoint(scope, receive, send)
