@@ -54,6 +54,11 @@ async def write(reply: Reply, scope: dict, receive: Any, send: Any, timeline: Ti
     try:
         await _stream(reply, receive, send, timeline)
     finally:
+        # A relay left mid-way (the client went) ends now, not when the collector finds it:
+        # a resumed leg it holds releases its worker in its own ``finally``.
+        aclose = getattr(reply.chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
         await reply.on_close()
 
 

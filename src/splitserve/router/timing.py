@@ -109,4 +109,4 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope["extensions"] = {RECEIVED_KEY: now()}
+        self.scope.setdefault("extensions", {})[RECEIVED_KEY] = now()
