@@ -14,6 +14,11 @@
    ``--placement shared`` lets every process use every core (on a 2-core machine it then
    measures mostly CPU queueing). ``--token-interval-ms`` paces the echo worker's tokens like
    a decoding model (default 20 ms, 50 tokens/s); 0 sends them back to back.
+   ``--arrivals lockstep|staggered|poisson`` shapes when requests arrive (``router_load``).
+   After each routed run the router's ``/metrics`` phase histograms (where its time went:
+   ``splitserve.router.timing``) are scraped and their p50/p99 printed, with how bursty the
+   arrivals were. ``--baseline-src DIR`` also measures a second router, run from another
+   checkout's ``src`` (an older commit), alternating with this one in the same rounds.
 2. Stickiness (``--ttft``): growing sessions of ``--turns`` turns over ``--real-workers``
    real model workers, through a router with ``--policy session`` and one with
    ``round-robin``. Reports mean TTFT of the last turn over the first (goal for sticky:
@@ -21,7 +26,8 @@
    cannot hold every session, round-robin loses its cache and the policies separate.
 
     python benchmarks/router_overhead.py [--clients 64] [--placement pinned|shared]
-        [--token-interval-ms 20] [--max-tokens 32] [--ttft [--no-overhead] [--kv-cache-gb G]]
+        [--token-interval-ms 20] [--max-tokens 32] [--arrivals lockstep|staggered|poisson]
+        [--baseline-src DIR] [--ttft [--no-overhead] [--kv-cache-gb G]]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import pstats
 import random
 import signal
 import statistics
@@ -38,19 +45,40 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
-import aiohttp
 import httpx
 import psutil
 
 from splitserve.cluster.local import free_port
 from splitserve.common.gc_pauses import quiet_gc
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by file path
+from router_load import (  # noqa: E402
+    ARRIVALS,
+    BURST_WINDOW_S,
+    Run,
+    bursts,
+    load_run,
+    make_plan,
+    mean_duration,
+    merge,
+    phase_deltas,
+    phase_summary,
+    scrape_phases,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
+PHASE_ORDER = (  # splitserve.router.timing.PHASE_NAMES; not imported: --baseline-src routers
+    "queued",
+    "parse",
+    "route",
+    "upstream_headers",
+    "upstream_first_chunk",
+    "first_write",
+    "stream",
+    "total",
+)
 ECHO_WORKER = ROOT / "tests" / "router" / "fake_worker.py"
-_JSON = {"content-type": "application/json"}
-_NO_DEADLINE = aiohttp.ClientTimeout(total=None, sock_read=120.0)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,6 +99,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=20.0,
         help="echo worker: delay between streamed tokens (0: back to back)",
+    )
+    p.add_argument(
+        "--arrivals",
+        choices=ARRIVALS,
+        default="lockstep",
+        help="lockstep: clients start together, equal lengths; staggered: spread starts, "
+        "varied lengths; poisson: open-loop arrivals, mean concurrency --clients",
+    )
+    p.add_argument(
+        "--baseline-src",
+        type=Path,
+        default=None,
+        help="also measure the router of another checkout's src/ (e.g. an older commit)",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="run the router under cProfile (stats to FILE, top functions printed); "
+        "its CPU figures then include the profiler's cost",
     )
     p.add_argument("--ttft", action="store_true", help="also run part 2 (real model workers)")
     p.add_argument("--no-overhead", action="store_true", help="skip part 1")
@@ -110,10 +159,13 @@ def _pinned(cpus: set[int] | None) -> Callable[[], None] | None:
 class Proc:
     """A child process serving HTTP on ``port``; stopped (its whole group) on ``stop``."""
 
-    def __init__(self, argv: list[str], port: int, cpus: set[int] | None = None) -> None:
+    def __init__(
+        self, argv: list[str], port: int, cpus: set[int] | None = None, env: dict | None = None
+    ) -> None:
         self.url = f"http://127.0.0.1:{port}"
+        self.stop_signal = signal.SIGTERM
         self.proc = subprocess.Popen(
-            argv, start_new_session=True, cwd=ROOT, preexec_fn=_pinned(cpus)
+            argv, start_new_session=True, cwd=ROOT, preexec_fn=_pinned(cpus), env=env
         )
 
     def wait_ready(self, timeout_s: float = 180.0) -> Proc:
@@ -129,14 +181,14 @@ class Proc:
             time.sleep(0.2)
         raise TimeoutError(f"{self.url} not ready after {timeout_s}s")
 
-    def cpu_s(self) -> float:
-        """CPU seconds (user + system) the process has used so far."""
+    def cpu_s(self) -> tuple[float, float]:
+        """CPU seconds (user + system, system) the process has used so far."""
         t = psutil.Process(self.proc.pid).cpu_times()
-        return t.user + t.system
+        return t.user + t.system, t.system
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, self.stop_signal)
             try:
                 self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
@@ -174,10 +226,21 @@ def real_worker(threads: int, kv_cache_gb: float) -> Proc:
     return Proc(argv, port)
 
 
-def router(workers: list[str], policy: str = "session", cpus: set[int] | None = None) -> Proc:
+def router(
+    workers: list[str],
+    policy: str = "session",
+    cpus: set[int] | None = None,
+    src: Path | None = None,
+    profile: Path | None = None,
+) -> Proc:
+    """A router process; ``src``: import splitserve from that directory instead;
+    ``profile``: run it under cProfile, the stats written there when it stops."""
     port = free_port()
+    env = None if src is None else {**os.environ, "PYTHONPATH": str(src.resolve())}
+    profiler = [] if profile is None else ["-m", "cProfile", "-o", str(profile.resolve())]
     argv = [
         sys.executable,
+        *profiler,
         "-m",
         "splitserve.router.cli",
         "--port",
@@ -189,51 +252,15 @@ def router(workers: list[str], policy: str = "session", cpus: set[int] | None = 
         "--log-level",
         "warning",
     ]
-    return Proc(argv, port, cpus)
+    proc = Proc(argv, port, cpus, env)
+    if profile is not None:
+        # uvicorn re-raises SIGTERM after its shutdown, which would kill the process before
+        # cProfile writes; SIGINT becomes a KeyboardInterrupt, and cProfile writes first.
+        proc.stop_signal = signal.SIGINT
+    return proc
 
 
 # ---- part 1: overhead ------------------------------------------------------------------------
-
-
-class Timing(NamedTuple):
-    total_s: float  # request sent to last byte
-    first_s: float  # request sent to first body chunk
-
-
-class Run(NamedTuple):
-    timings: list[Timing]
-    rps: float
-
-
-async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes) -> Timing:
-    start = time.perf_counter()
-    first = None
-    async with session.post(url + "/v1/chat/completions", data=body, headers=_JSON) as r:
-        r.raise_for_status()
-        async for _ in r.content.iter_any():
-            if first is None:
-                first = time.perf_counter() - start
-    return Timing(time.perf_counter() - start, first or 0.0)
-
-
-async def load_run(url: str, clients: int, requests: int, body: dict) -> Run:
-    # aiohttp, as the router uses: the load generator shares a core with the worker and must
-    # cost little per streamed chunk, or it, not the path under test, sets the latencies.
-    connector = aiohttp.TCPConnector(limit=clients)
-    async with aiohttp.ClientSession(connector=connector, timeout=_NO_DEADLINE) as session:
-        await asyncio.gather(
-            *(one_stream(session, url, json.dumps(body).encode()) for _ in range(clients))
-        )  # warm-up
-
-        async def client_loop(i: int) -> list[Timing]:
-            b = json.dumps({**body, "user": f"client-{i}"}).encode()
-            return [await one_stream(session, url, b) for _ in range(requests)]
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(client_loop(i) for i in range(clients)))
-        elapsed = time.perf_counter() - start
-    timings = [x for r in results for x in r]
-    return Run(timings, len(timings) / elapsed)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -260,52 +287,110 @@ def measure_overhead(
     interval = args.token_interval_ms / 1e3
     worker = None if args.worker_url else echo_worker(other_cpus, interval)
     worker_url = args.worker_url or worker.url
-    front = router([worker_url], cpus=router_cpus).wait_ready()
+    fronts = {"router": router([worker_url], cpus=router_cpus, profile=args.profile)}
+    if args.baseline_src is not None:
+        fronts["baseline"] = router([worker_url], cpus=router_cpus, src=args.baseline_src)
+    for f in fronts.values():
+        f.wait_ready()
+    try:
+        runs, cpu_s, phases = measure_paths(args, worker_url, fronts)
+    finally:
+        for f in fronts.values():
+            f.stop()
+        if worker is not None:
+            worker.stop()
+    routed = args.rounds * args.clients * args.requests  # warm-ups are not measured
+    report_overhead(runs, {k: (v[0] / routed, v[1] / routed) for k, v in cpu_s.items()})
+    for name, histograms in phases.items():
+        report_phases(name, histograms)
+    if args.profile is not None:
+        print(f"\nrouter profile ({args.profile}), by own time:")
+        pstats.Stats(str(args.profile)).sort_stats("tottime").print_stats(30)
+
+
+def measure_paths(args: argparse.Namespace, worker_url: str, fronts: dict[str, Proc]):
+    """Alternate the paths ``--rounds`` times on the identical plan; (runs, router CPU
+    seconds, router phase histograms) by path."""
     body = {
         "messages": [{"role": "user", "content": "hello"}],
         "stream": True,
         "max_tokens": args.max_tokens,
         "temperature": 0,
     }
-    runs: dict[str, list[Run]] = {"direct": [], "router": []}
-    router_cpu_s = 0.0
-    try:
-        for _ in range(args.rounds):
-            for name, url in (("direct", worker_url), ("router", front.url)):
-                before = front.cpu_s()
-                runs[name].append(asyncio.run(load_run(url, args.clients, args.requests, body)))
-                if name == "router":
-                    router_cpu_s += front.cpu_s() - before
-    finally:
-        front.stop()
-        if worker is not None:
-            worker.stop()
-    # warm-up requests count too: the CPU was spent on them as well
-    routed = args.rounds * args.clients * (args.requests + 1)
-    report_overhead(runs, router_cpu_s / routed)
+    warm = json.dumps(body).encode()
+    duration = asyncio.run(mean_duration(worker_url, args.clients, warm))
+    plan = make_plan(args.arrivals, args.clients, args.requests, body, duration, args.seed)
+    print(f"arrivals: {args.arrivals}; one request's mean duration {duration * 1e3:.1f} ms")
+    urls = {"direct": worker_url, **{k: f.url for k, f in fronts.items()}}
+    runs: dict[str, list[Run]] = {name: [] for name in urls}
+    cpu_s = dict.fromkeys(fronts, (0.0, 0.0))
+    phases: dict[str, dict] = {name: {} for name in fronts}
+    for _ in range(args.rounds):
+        for name, url in urls.items():
+            front = fronts.get(name)
+            before: list = []
+
+            def warmed(front: Proc | None = front, url: str = url, before: list = before) -> None:
+                if front is not None:
+                    before[:] = [front.cpu_s(), scrape_phases(url)]
+
+            runs[name].append(asyncio.run(load_run(url, args.clients, plan, warm, warmed)))
+            if front is not None:
+                (cpu, system), (cpu0, system0) = front.cpu_s(), before[0]
+                total, total_system = cpu_s[name]
+                cpu_s[name] = (total + cpu - cpu0, total_system + system - system0)
+                phases[name] = merge(phases[name], phase_deltas(before[1], scrape_phases(url)))
+    return runs, cpu_s, phases
 
 
-def report_overhead(runs: dict[str, list[Run]], router_cpu_per_request_s: float) -> None:
+def report_overhead(
+    runs: dict[str, list[Run]], cpu_per_request_s: dict[str, tuple[float, float]]
+) -> None:
     total = {k: [t.total_s for r in rs for t in r.timings] for k, rs in runs.items()}
     first = {k: [t.first_s for r in rs for t in r.timings] for k, rs in runs.items()}
     rps = {k: statistics.mean(r.rps for r in rs) for k, rs in runs.items()}
-    heads = ("requests", "p50 ms", "p99 ms", "TTFB p50", "TTFB p99", "req/s")
-    print(f"{'':<8}" + "".join(f"{h:>10}" for h in heads))
+    heads = ("requests", "p50 ms", "p99 ms", "TTFB p50", "TTFB p99", "req/s", "burst p50/p99")
+    print(f"{'':<9}" + "".join(f"{h:>10}" for h in heads[:-1]) + f"{heads[-1]:>15}")
     for name in runs:
         lat, ttfb = total[name], first[name]
+        burst = bursts([t for r in runs[name] for t in r.timings])
         print(
-            f"{name:<8}{len(lat):>10}{pct(lat, 50) * 1e3:>10.2f}{pct(lat, 99) * 1e3:>10.2f}"
+            f"{name:<9}{len(lat):>10}{pct(lat, 50) * 1e3:>10.2f}{pct(lat, 99) * 1e3:>10.2f}"
             f"{pct(ttfb, 50) * 1e3:>10.2f}{pct(ttfb, 99) * 1e3:>10.2f}{rps[name]:>10.1f}"
+            f"{pct(burst, 50):>9.0f} /{pct(burst, 99):>3.0f}"
         )
-    added = {q: (pct(total["router"], q) - pct(total["direct"], q)) * 1e3 for q in (50, 99)}
-    added_first = {q: (pct(first["router"], q) - pct(first["direct"], q)) * 1e3 for q in (50, 99)}
     print(
-        f"added latency: p50 {added[50]:.2f} ms, p99 {added[99]:.2f} ms "
-        f"(goal p99 <= 5 ms: {'met' if added[99] <= 5 else 'NOT met'})"
+        f"(burst: requests sent in the {BURST_WINDOW_S * 1e3:.0f} ms before each, itself included)"
     )
-    print(f"added time to first byte: p50 {added_first[50]:.2f} ms, p99 {added_first[99]:.2f} ms")
-    print(f"throughput ratio router/direct: {rps['router'] / rps['direct']:.3f}")
-    print(f"router CPU per request: {router_cpu_per_request_s * 1e3:.2f} ms")
+    for name in cpu_per_request_s:
+        added = {q: (pct(total[name], q) - pct(total["direct"], q)) * 1e3 for q in (50, 99)}
+        added_first = {q: (pct(first[name], q) - pct(first["direct"], q)) * 1e3 for q in (50, 99)}
+        print(
+            f"{name}: added latency p50 {added[50]:.2f} ms, p99 {added[99]:.2f} ms "
+            f"(goal p99 <= 5 ms: {'met' if added[99] <= 5 else 'NOT met'})"
+        )
+        print(
+            f"{name}: added time to first byte p50 {added_first[50]:.2f} ms, "
+            f"p99 {added_first[99]:.2f} ms"
+        )
+        print(f"{name}: throughput ratio router/direct: {rps[name] / rps['direct']:.3f}")
+        cpu, system = cpu_per_request_s[name]
+        print(f"{name}: router CPU per request: {cpu * 1e3:.2f} ms (system {system * 1e3:.2f})")
+
+
+def report_phases(name: str, histograms: dict[str, dict[float, float]]) -> None:
+    """The router's own phase histograms over the measured runs (not their warm-ups)."""
+    if not histograms:
+        print(f"{name}: no phase histograms on /metrics (a router before they existed)")
+        return
+    print(f"\n{name}: where a request's time went in the router (its /metrics; ms)")
+    print(f"{'phase':<22}{'requests':>10}{'mean':>10}{'p50':>10}{'p99':>10}")
+    for phase in PHASE_ORDER:
+        if phase in histograms:
+            count, mean, p50, p99 = phase_summary(histograms[phase])
+            print(
+                f"{phase:<22}{count:>10.0f}{mean * 1e3:>10.3f}{p50 * 1e3:>10.3f}{p99 * 1e3:>10.3f}"
+            )
 
 
 # ---- part 2: TTFT over growing sessions ------------------------------------------------------

@@ -21,6 +21,7 @@ import uvicorn
 from splitserve.cluster.local import free_port
 from splitserve.router.app import create_app
 from splitserve.router.config import RouterConfig
+from splitserve.router.timing import StampedHttpToolsProtocol
 
 FAKE_WORKER = Path(__file__).with_name("fake_worker.py")
 READY_TIMEOUT_S = 30.0
@@ -75,7 +76,15 @@ class FakeWorker:
         HTTP.post(f"{self.url}/_mode", json=state, timeout=5.0).raise_for_status()
 
     def reset(self) -> None:
-        self.mode(mode="ok", running=0, waiting=0, delay_s=0.0, greedy=False, die_after=2)
+        self.mode(
+            mode="ok",
+            running=0,
+            waiting=0,
+            delay_s=0.0,
+            greedy=False,
+            die_after=2,
+            set_cookie=False,
+        )
 
     def seen(self) -> list[dict]:
         return HTTP.get(f"{self.url}/_requests", timeout=5.0).json()
@@ -93,7 +102,13 @@ class RouterServer:
         self.app = create_app(config)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        cfg = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            http=StampedHttpToolsProtocol,  # as the router's command line serves it
+        )
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -37,6 +37,7 @@ def create_app(name: str, role: str) -> FastAPI:
         "delay_s": 0.0,
         "greedy": False,
         "die_after": 2,
+        "set_cookie": False,
     }
     seen: list[dict[str, Any]] = []
 
@@ -105,7 +106,8 @@ def create_app(name: str, role: str) -> FastAPI:
                 "remote_engine_id": name,
                 "remote_block_ids": [1, 2],
             }
-        return out
+        cookie = {"set-cookie": f"{name}-session=secret; Path=/"} if state["set_cookie"] else None
+        return JSONResponse(out, headers=cookie)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

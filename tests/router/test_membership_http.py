@@ -123,3 +123,14 @@ def test_client_leaving_mid_stream_frees_the_in_flight_slot(workers3, make_route
     with HTTP.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30.0) as r:
         next(r.iter_raw())  # one chunk, then hang up
     wait_until(lambda: listing(router)[workers3[0].url]["in_flight"] == 0, 10, "the relay to close")
+
+
+def test_client_leaving_a_slow_stream_closes_the_upstream_at_once(workers3, make_router):
+    # The relay watches for the client's disconnect itself (no Starlette task group): a
+    # client that hangs up must free the worker now, not when the worker's next chunk comes.
+    router = make_router(workers=[workers3[0].url], health_interval_s=60, admin_key="admin")
+    workers3[0].mode(delay_s=30.0)
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with HTTP.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30.0) as r:
+        next(r.iter_raw())
+    wait_until(lambda: listing(router)[workers3[0].url]["in_flight"] == 0, 5, "the relay to close")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "router_overhead.py
 _spec = importlib.util.spec_from_file_location("router_overhead", _PATH)
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
+load = sys.modules["router_load"]  # the load generator's module, imported by the benchmark
 
 
 def test_pinned_placement_gives_the_router_the_last_cpu():
@@ -33,8 +37,54 @@ def test_defaults_pace_the_echo_worker_like_a_model():
 
 @pytest.mark.parametrize(
     "argv",
-    [["--token-interval-ms", "-1"], ["--clients", "0"], ["--placement", "spread"]],
+    [
+        ["--token-interval-ms", "-1"],
+        ["--clients", "0"],
+        ["--placement", "spread"],
+        ["--arrivals", "bursty"],
+    ],
 )
 def test_bad_options_are_rejected(argv):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
+
+
+BODY = {"messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 32}
+
+
+def lengths(plan) -> list[int]:
+    return [json.loads(b)["max_tokens"] for bodies in plan.bodies for b in bodies]
+
+
+def test_lockstep_clients_start_together_with_equal_lengths():
+    plan = load.make_plan("lockstep", 4, 3, BODY, 0.8, seed=0)
+    assert plan.starts == [0.0] * 4 and plan.arrivals is None
+    assert lengths(plan) == [32] * 12
+
+
+def test_staggered_clients_spread_over_one_request_and_vary_lengths():
+    plan = load.make_plan("staggered", 4, 50, BODY, 0.8, seed=0)
+    assert plan.starts == pytest.approx([0.0, 0.2, 0.4, 0.6])
+    assert min(lengths(plan)) >= 16 and max(lengths(plan)) <= 48
+    assert len(set(lengths(plan))) > 10
+    assert load.make_plan("staggered", 4, 50, BODY, 0.8, seed=0) == plan  # both paths alike
+
+
+def test_poisson_arrivals_keep_the_mean_concurrency():
+    plan = load.make_plan("poisson", 64, 100, BODY, 0.5, seed=1)
+    assert plan.starts is None and len(plan.arrivals) == 6400
+    rate = len(plan.arrivals) / plan.arrivals[-1]
+    assert rate * 0.5 == pytest.approx(64, rel=0.05)  # Little's law: rate x duration
+
+
+def test_bursts_count_the_requests_sent_just_before():
+    timings = [load.Timing(s, 0.0, 0.0) for s in (0.0, 0.001, 0.002, 1.0, 2.0)]
+    assert load.bursts(timings, window_s=0.005) == [1, 2, 3, 1, 1]
+
+
+def test_bucket_quantile_interpolates_like_prometheus():
+    buckets = {0.001: 50.0, 0.002: 90.0, 0.005: 100.0, math.inf: 100.0}
+    assert load.bucket_quantile(0.5, buckets) == pytest.approx(0.001)
+    assert load.bucket_quantile(0.7, buckets) == pytest.approx(0.0015)
+    assert load.bucket_quantile(0.99, buckets) == pytest.approx(0.0047)
+    assert math.isnan(load.bucket_quantile(0.5, {math.inf: 0.0}))

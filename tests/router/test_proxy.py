@@ -214,3 +214,13 @@ def test_no_prefetch_hint_unless_turned_on(workers3, make_router):
 
     wait_until(lambda: bool(hinted_texts()), 10, "hint")
     assert hinted_texts() == ["hello from marker"]
+
+
+def test_a_cookie_one_worker_answer_sets_never_reaches_other_requests(workers3, make_router):
+    # Regression: the router's one upstream session kept a cookie jar shared by all clients
+    # (it takes cookies from host names, not from IP addresses: hence localhost).
+    router = make_router(workers=[workers3[0].url.replace("127.0.0.1", "localhost")])
+    workers3[0].mode(set_cookie=True)
+    post(router, chat("a"))
+    post(router, chat("b"))
+    assert [s["headers"].get("cookie") for s in workers3[0].seen()[-2:]] == [None, None]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -10,10 +9,12 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from splitserve.router import upstream
 from splitserve.router.config import RouterConfig
 from splitserve.router.errors import RouterError
+from splitserve.router.front import COMPLETION_PATHS, MODELS_PATH, Endpoint, Front, check_bearer
 from splitserve.router.health import HealthChecker
 from splitserve.router.membership import BreakerConfig, Membership
 from splitserve.router.metrics import RouterMetrics
@@ -23,8 +24,11 @@ from splitserve.router.ring import DEFAULT_VNODES
 from splitserve.router.worker import ROLES, Worker, healthy_workers
 
 
-def create_app(config: RouterConfig) -> FastAPI:
-    """A router app over ``config``'s workers; probes and the HTTP pool live with the app."""
+def create_app(config: RouterConfig) -> Front:
+    """A router app over ``config``'s workers; probes and the HTTP pool live with the app.
+
+    The OpenAI endpoints are plain ASGI (``front``); the rest is a FastAPI app behind them.
+    """
     membership = Membership(
         config.initial_workers(), BreakerConfig(config.failure_threshold, config.cooldown_s)
     )
@@ -69,9 +73,12 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.state.metrics = metrics
     _install_error_handlers(app)
     app.include_router(_open_routes(membership, metrics))
-    app.include_router(_api_routes(state), dependencies=[Depends(_auth(config.api_key))])
+    endpoint = Endpoint(lambda: state["proxy"], metrics, config.api_key)
+    for path in COMPLETION_PATHS:
+        app.router.routes.append(Route(path, endpoint, methods=["POST"]))
+    app.router.routes.append(Route(MODELS_PATH, endpoint, methods=["GET"]))
     app.include_router(_admin_routes(membership), dependencies=[Depends(_admin(config))])
-    return app
+    return Front(app, endpoint)
 
 
 def _policy(config: RouterConfig, name: str):
@@ -99,24 +106,6 @@ def _open_routes(membership: Membership, metrics: RouterMetrics) -> APIRouter:
     @router.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return router
-
-
-def _api_routes(state: dict[str, Any]) -> APIRouter:
-    router = APIRouter()
-
-    @router.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await state["proxy"].completion(request, "/v1/chat/completions")
-
-    @router.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await state["proxy"].completion(request, "/v1/completions")
-
-    @router.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await state["proxy"].models(request)
 
     return router
 
@@ -182,29 +171,8 @@ def _describe(w: Worker) -> dict[str, Any]:
     }
 
 
-def _bearer_check(key: str | None, what: str):
-    expected = f"Bearer {key}".encode() if key else None
-
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise RouterError(
-                401,
-                f"Incorrect or missing {what}; send 'Authorization: Bearer KEY'",
-                code="invalid_api_key",
-            )
-
-    return check
-
-
-def _auth(api_key: str | None):
-    return _bearer_check(api_key, "API key")
-
-
 def _admin(config: RouterConfig):
-    check = _bearer_check(config.admin_key, "admin key")
+    expected = f"Bearer {config.admin_key}".encode() if config.admin_key else None
 
     async def guard(request: Request) -> None:
         if config.admin_key is None:
@@ -214,7 +182,7 @@ def _admin(config: RouterConfig):
                 "an admin key (--admin-key or --api-key)",
                 code="admin_disabled",
             )
-        await check(request)
+        check_bearer(expected, request.headers.get("authorization", ""), "admin key")
 
     return guard
 

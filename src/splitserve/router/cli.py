@@ -112,10 +112,18 @@ def run(args: argparse.Namespace) -> int:
 
     from splitserve.common.gc_pauses import quiet_gc
     from splitserve.router.app import create_app
+    from splitserve.router.timing import StampedHttpToolsProtocol
 
     app = create_app(config_from_args(args))
     quiet_gc()
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        http=StampedHttpToolsProtocol,  # request arrival times: the "queued" phase
+    )
     return 0
 
 

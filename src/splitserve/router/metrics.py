@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from splitserve.router.timing import PHASE_BUCKETS, PHASE_NAMES, Timeline
+
 _LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _REMEMBERED_SESSIONS = 100_000  # bounds the memory spent on the "sessions moved" count
 
@@ -77,9 +79,38 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        phases = Histogram(
+            "splitserve:router_request_phase_seconds",
+            "Where a request's time goes in the router (splitserve.router.timing)",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        # Children looked up once: ``labels()`` validates and locks on every call.
+        self._phases = {name: phases.labels(name) for name in PHASE_NAMES}
+        self._children: dict[tuple[Counter, str, str], Counter] = {}
         self._last_worker: OrderedDict[str, str] = OrderedDict()
         self._turns = 0
         self._home_turns = 0
+
+    def sent(self, worker: str, role: str) -> None:
+        """A request went to ``worker`` for its ``role`` leg."""
+        self._child(self.requests, worker, role).inc()
+
+    def failed(self, worker: str, role: str) -> None:
+        self._child(self.failures, worker, role).inc()
+
+    def _child(self, counter: Counter, worker: str, role: str) -> Counter:
+        key = (counter, worker, role)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = counter.labels(worker, role)
+        return child
+
+    def timeline(self, timeline: Timeline) -> None:
+        """Observe a finished request's phases."""
+        for name, seconds in timeline.phases():
+            self._phases[name].observe(seconds)
 
     def turn(self, session: str, worker: str, home: str | None) -> None:
         """One turn of ``session`` went to ``worker``; ``home`` is where it belonged."""

@@ -108,16 +108,27 @@ class StreamRelay:
         self.log = log
         self.body = body
         self.resumed = False
+        self._partial = b""  # the current leg's bytes after its last complete event
 
     async def relay(self, raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """The client's bytes for one leg's raw upstream bytes; raises ``IncompleteStream``."""
-        buffer = b""
+        self._partial = b""
         async for piece in raw:
-            buffer += piece
-            *events, buffer = buffer.split(b"\n\n")
-            out = b"".join(self._event(e) for e in events if e.strip())
+            out = self.feed(piece)
             if out:
                 yield out
+        self.end()
+
+    def feed(self, piece: bytes) -> bytes:
+        """The client's bytes for the leg's next raw bytes (b"": no event completed yet).
+        Every streamed chunk passes here: one call, no generator, per chunk."""
+        *events, self._partial = (self._partial + piece).split(b"\n\n")
+        if len(events) == 1:  # the usual case: one worker chunk, one event
+            return self._event(events[0]) if events[0].strip() else b""
+        return b"".join([self._event(e) for e in events if e.strip()])
+
+    def end(self) -> None:
+        """The leg's stream ended; raises ``IncompleteStream`` unless it ended with [DONE]."""
         if not self.log.done:
             raise IncompleteStream("the stream ended without [DONE]")
 

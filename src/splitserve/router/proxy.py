@@ -14,16 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
 
 from splitserve.router import disagg
 from splitserve.router.config import RouterConfig
@@ -39,7 +36,9 @@ from splitserve.router.migration import (
 )
 from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.policies.session import SyncedRing
+from splitserve.router.replies import Buffered, Reply, Streamed
 from splitserve.router.session import prefix_key, session_key
+from splitserve.router.timing import Timeline, now
 from splitserve.router.upstream import UPSTREAM_ERRORS
 from splitserve.router.worker import Worker
 
@@ -55,23 +54,6 @@ class WorkerFailed(Exception):
     """The worker failed before sending its first byte: the request may go elsewhere."""
 
 
-class RelayResponse(StreamingResponse):
-    """A streaming response that always runs ``on_close``, even when the client leaves
-    before the first chunk (Starlette skips ``background`` tasks when it cancels)."""
-
-    def __init__(
-        self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kwargs: Any
-    ) -> None:
-        super().__init__(content, **kwargs)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.on_close()
-
-
 @dataclass(slots=True)
 class Placement:
     """Where one request runs, decided before any byte is sent."""
@@ -84,6 +66,7 @@ class Placement:
     relay: StreamRelay | None = None
     headers: dict[str, str] | None = None
     excluded: list[str] | None = None  # decode workers tried so far
+    timeline: Timeline | None = None
 
 
 class Proxy:
@@ -106,15 +89,20 @@ class Proxy:
         self._home_ring = SyncedRing(config.vnodes)  # over all decode members, healthy or not
         self._hints: set[asyncio.Future] = set()
 
-    async def completion(self, request: Request, path: str) -> Response:
-        """``POST /v1/chat/completions`` or ``/v1/completions``."""
-        body = await _json_object(request)
-        headers = self._forward_headers(request)
-        placement = self._place(request, body)
+    async def completion(
+        self, client_headers: Mapping[str, str], raw: bytes, path: str, timeline: Timeline
+    ) -> Reply:
+        """``POST /v1/chat/completions`` or ``/v1/completions``; ``client_headers`` by
+        lower-case name, ``raw`` the request body."""
+        body = _json_object(raw)
+        timeline.parsed = now()
+        headers = self._forward_headers(client_headers)
+        placement = self._place(client_headers, body, timeline)
         excluded: list[str] = []
         decode = self._pick("decode", placement.info, excluded)
         if decode is None:
             raise no_worker("decode")
+        timeline.routed = now()
         if self.config.prefetch_hints and placement.info.session_key is not None:
             self._prefetch_hint(decode, body, headers)
         if self.config.disaggregate:
@@ -155,11 +143,12 @@ class Proxy:
         self._hints.add(task)  # keep a reference until it is done
         task.add_done_callback(self._hints.discard)
 
-    async def models(self, request: Request) -> Response:
+    async def models(self, client_headers: Mapping[str, str], timeline: Timeline) -> Reply:
         """``GET /v1/models`` from any healthy worker."""
         info = RequestInfo()
-        headers = self._forward_headers(request)
-        placement = Placement(info, None)
+        headers = self._forward_headers(client_headers)
+        placement = Placement(info, None, timeline=timeline)
+        timeline.parsed = timeline.handler
         excluded: list[str] = []
         first = self._pick("decode", info, excluded)
         if first is None:
@@ -172,8 +161,10 @@ class Proxy:
             lambda w: self._send(w, "GET", "/v1/models", None, headers, False, placement),
         )
 
-    def _place(self, request: Request, body: dict[str, Any]) -> Placement:
-        key = session_key(request.headers, body, self.config.prefix_chars)
+    def _place(
+        self, client_headers: Mapping[str, str], body: dict[str, Any], timeline: Timeline
+    ) -> Placement:
+        key = session_key(client_headers, body, self.config.prefix_chars)
         info = RequestInfo(
             session_key=None if key is None else key.key,
             prefix_key=prefix_key(body, self.config.prefix_chars),
@@ -183,7 +174,7 @@ class Proxy:
         if info.session_key is not None:
             ring = self._home_ring.sync([w for w in self.membership.all() if w.serves("decode")])
             home = ring.owner(info.session_key)
-        return Placement(info, home)
+        return Placement(info, home, timeline=timeline)
 
     def _pick(self, role: str, info: RequestInfo, excluded: list[str]) -> Worker | None:
         worker = self.policies[role].select_worker(self.membership.candidates(role, excluded), info)
@@ -197,8 +188,8 @@ class Proxy:
         placement: Placement,
         excluded: list[str],
         first: Worker,
-        send: Callable[[Worker], Awaitable[Response]],
-    ) -> Response:
+        send: Callable[[Worker], Awaitable[Reply]],
+    ) -> Reply:
         worker: Worker | None = first
         errors: list[str] = []
         for attempt in range(self.config.max_retries + 1):
@@ -226,11 +217,11 @@ class Proxy:
         headers: dict[str, str],
         stream: bool,
         placement: Placement,
-    ) -> Response:
+    ) -> Reply:
         role = "decode"
-        self.metrics.requests.labels(worker.url, role).inc()
+        self.metrics.sent(worker.url, role)
         worker.in_flight += 1
-        started = time.perf_counter()
+        started = now()
         upstream: aiohttp.ClientResponse | None = None
 
         closed = False
@@ -250,44 +241,53 @@ class Proxy:
             upstream = await self.client.request(
                 method, worker.url + path, data=payload, headers=headers
             )
-            self.metrics.latency.observe(time.perf_counter() - started)
+            timeline = placement.timeline
+            headers_at = now()
+            self.metrics.latency.observe(headers_at - started)
             if upstream.status >= 500:
                 raise WorkerFailed(f"HTTP {upstream.status}")
             if not stream or upstream.status >= 400:
                 content = await upstream.read()
                 self._succeeded(worker, role, placement)
                 await close_once()
-                return Response(
-                    content, upstream.status, self._headers(upstream, worker, placement)
+                if timeline is not None:
+                    timeline.headers, timeline.upstream_first = headers_at, now()
+                return Buffered(
+                    upstream.status, self._headers(upstream, worker, placement), content
                 )
-            chunks = upstream.content.iter_any()
-            first = await anext(chunks, b"")
+            content = upstream.content
+            first = await content.readany()
             if not first:
                 raise WorkerFailed("the stream ended before its first byte")
+            if timeline is not None:
+                timeline.headers, timeline.upstream_first = headers_at, now()
         except (*UPSTREAM_ERRORS, WorkerFailed) as e:
             await close_once()
             self._failed(worker, role, e)
             raise e if isinstance(e, WorkerFailed) else WorkerFailed(repr(e)) from e
         self._succeeded(worker, role, placement)
         relay = (
-            self._relay(first, chunks, worker, placement)
+            self._relay(first, content, worker, placement)
             if placement.relay
-            else _raw(first, chunks)
+            else _raw(first, content)
         )
-        return RelayResponse(
-            relay,
-            close_once,
-            status_code=upstream.status,
-            headers=self._headers(upstream, worker, placement),
+        return Streamed(
+            upstream.status, self._headers(upstream, worker, placement), relay, close_once
         )
 
     async def _relay(
-        self, first: bytes, chunks: AsyncIterator[bytes], worker: Worker, placement: Placement
+        self, first: bytes, content: aiohttp.StreamReader, worker: Worker, placement: Placement
     ) -> AsyncIterator[bytes]:
-        assert placement.relay is not None
+        relay = placement.relay
+        assert relay is not None
         try:
-            async for out in placement.relay.relay(_raw(first, chunks)):
-                yield out
+            piece = first
+            while piece:  # the first leg's loop, flat: it runs once per streamed chunk
+                out = relay.feed(piece)
+                if out:
+                    yield out
+                piece = await content.readany()
+            relay.end()
             return
         except (*UPSTREAM_ERRORS, IncompleteStream, ValueError) as e:
             # The client already has part of the answer: resume it elsewhere, not retry it.
@@ -332,7 +332,7 @@ class Proxy:
         self, worker: Worker, payload: bytes, placement: Placement
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """One resumed leg's upstream stream, counted in the worker's load while it runs."""
-        self.metrics.requests.labels(worker.url, "decode").inc()
+        self.metrics.sent(worker.url, "decode")
         worker.in_flight += 1
         try:
             url = worker.url + "/v1/completions"
@@ -378,7 +378,7 @@ class Proxy:
             self.metrics.remote_prefills.labels("fallback").inc()
             return
         payload = json.dumps(disagg.prefill_body(body)).encode()
-        self.metrics.requests.labels(worker.url, "prefill").inc()
+        self.metrics.sent(worker.url, "prefill")
         params = None
         try:
             async with self.client.post(worker.url + path, data=payload, headers=headers) as r:
@@ -400,18 +400,18 @@ class Proxy:
 
     def _failed(self, worker: Worker, role: str, error: Exception) -> None:
         log.warning("%s worker %s failed: %r", role, worker.url, error)
-        self.metrics.failures.labels(worker.url, role).inc()
+        self.metrics.failed(worker.url, role)
         self.membership.report(worker.url, ok=False)
 
-    def _forward_headers(self, request: Request) -> dict[str, str]:
+    def _forward_headers(self, client_headers: Mapping[str, str]) -> dict[str, str]:
         headers = {
             "content-type": "application/json",
-            "x-request-id": request.headers.get("x-request-id") or uuid.uuid4().hex,
+            "x-request-id": client_headers.get("x-request-id") or uuid.uuid4().hex,
         }
         auth = (
             f"Bearer {self.config.worker_api_key}"
             if self.config.worker_api_key
-            else request.headers.get("authorization")
+            else client_headers.get("authorization")
         )
         if auth:
             headers["authorization"] = auth
@@ -428,9 +428,9 @@ class Proxy:
         return out
 
 
-async def _json_object(request: Request) -> dict[str, Any]:
+def _json_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise RouterError(400, f"the request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
@@ -438,10 +438,11 @@ async def _json_object(request: Request) -> dict[str, Any]:
     return body
 
 
-async def _raw(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield first
-    async for chunk in chunks:
-        yield chunk
+async def _raw(first: bytes, content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    piece = first
+    while piece:
+        yield piece
+        piece = await content.readany()
 
 
 def _error_event(message: str) -> bytes:

@@ -33,7 +33,14 @@ def session(config: RouterConfig) -> aiohttp.ClientSession:
         total=None, connect=config.connect_timeout_s, sock_read=config.read_timeout_s
     )
     # Bodies pass through as the worker encoded them (``content-encoding`` is forwarded).
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+    # No cookie jar: the session is shared by every client, so a cookie one worker answer set
+    # would go out on other clients' requests (and filtering the jar costs every request).
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
 
 
 def probe_client(config: RouterConfig) -> httpx.AsyncClient:

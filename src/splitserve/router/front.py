@@ -1,0 +1,101 @@
+"""The OpenAI endpoints as plain ASGI, in front of the router's FastAPI app.
+
+Every proxied request and every streamed chunk passes through here, so the endpoints skip
+FastAPI's routing, dependency injection, ``Request`` objects and middleware layers; the
+FastAPI app keeps everything else (``/health``, ``/metrics``, membership) and routes the
+same paths to the same endpoint, so other methods, trailing slashes and errors answer as
+they always did. Cost per request: ``benchmarks/router_overhead.py``, docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any
+
+from splitserve.router.errors import RouterError
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.proxy import Proxy
+from splitserve.router.replies import Reply, write
+from splitserve.router.timing import Timeline
+
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+MODELS_PATH = "/v1/models"
+ROUTES = {("POST", p) for p in COMPLETION_PATHS} | {("GET", MODELS_PATH)}
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+def check_bearer(expected: bytes | None, given: str, what: str) -> None:
+    """Raise a 401 unless ``given`` (an Authorization header) is ``expected``."""
+    if expected is not None and not hmac.compare_digest(given.encode(), expected):
+        raise RouterError(
+            401,
+            f"Incorrect or missing {what}; send 'Authorization: Bearer KEY'",
+            code="invalid_api_key",
+        )
+
+
+class Endpoint:
+    """The OpenAI endpoints' ASGI app (also mounted in the FastAPI app under their paths)."""
+
+    def __init__(
+        self, proxy: Callable[[], Proxy], metrics: RouterMetrics, api_key: str | None
+    ) -> None:
+        self.proxy = proxy  # created with the HTTP pool when the app starts
+        self.metrics = metrics
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        timeline = Timeline.of(scope)
+        try:
+            headers = _headers(scope)
+            check_bearer(self.expected, headers.get("authorization", ""), "API key")
+            reply = await self._answer(scope, receive, headers, timeline)
+        except RouterError as e:
+            await e.response()(scope, receive, send)
+            return
+        except ClientGone:
+            return
+        await write(reply, scope, receive, send, timeline)
+        self.metrics.timeline(timeline)
+
+    async def _answer(
+        self, scope: dict, receive: Any, headers: dict[str, str], timeline: Timeline
+    ) -> Reply:
+        if scope["path"] == MODELS_PATH:
+            return await self.proxy().models(headers, timeline)
+        raw = await _body(receive)
+        return await self.proxy().completion(headers, raw, scope["path"], timeline)
+
+
+class Front:
+    """Sends the OpenAI endpoints' requests straight to ``endpoint``, the rest to ``app``."""
+
+    def __init__(self, app: Any, endpoint: Endpoint) -> None:
+        self.app = app
+        self.endpoint = endpoint
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and (scope["method"], scope["path"]) in ROUTES:
+            await self.endpoint(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+def _headers(scope: dict) -> dict[str, str]:
+    """The request's headers by lower-case name; the first of a repeated name wins."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(scope["headers"])}
+
+
+async def _body(receive: Any) -> bytes:
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(parts)

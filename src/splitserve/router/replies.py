@@ -1,0 +1,97 @@
+"""What the proxy answers, and how an answer is written to the client as plain ASGI.
+
+A streamed answer is written chunk by chunk as the worker's chunks arrive (never coalesced):
+one ``send`` per chunk, straight to the server's ``send``. Starlette's ``StreamingResponse``
+did the same through its middleware layers and, on uvicorn (ASGI spec 2.3), an anyio task
+group per request; this writer watches for the client's disconnect with one plain task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import Response
+
+from splitserve.router.timing import Timeline, now
+
+
+@dataclass(slots=True)
+class Buffered:
+    """A whole answer (non-streamed, or an error the worker sent)."""
+
+    status: int
+    headers: dict[str, str]
+    content: bytes
+
+
+@dataclass(slots=True)
+class Streamed:
+    """An answer relayed as it arrives; ``on_close`` runs once, however the stream ends."""
+
+    status: int
+    headers: dict[str, str]
+    chunks: AsyncIterator[bytes]
+    on_close: Callable[[], Awaitable[None]]
+
+
+Reply = Buffered | Streamed
+
+
+def as_response(reply: Buffered) -> Response:
+    """The Starlette response for a buffered reply (``content-length`` added)."""
+    return Response(reply.content, reply.status, reply.headers)
+
+
+async def write(reply: Reply, scope: dict, receive: Any, send: Any, timeline: Timeline) -> None:
+    """Write ``reply`` to the client; the timeline gets its first and last write."""
+    if isinstance(reply, Buffered):
+        await as_response(reply)(scope, receive, send)
+        timeline.first_written = now()
+        return
+    try:
+        await _stream(reply, receive, send, timeline)
+    finally:
+        # A relay left mid-way (the client went) ends now, not when the collector finds it:
+        # a resumed leg it holds releases its worker in its own ``finally``.
+        aclose = getattr(reply.chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        await reply.on_close()
+
+
+async def _stream(reply: Streamed, receive: Any, send: Any, timeline: Timeline) -> None:
+    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers.items()]
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    task = asyncio.current_task()
+    assert task is not None
+    streaming = True
+
+    def on_gone(g: asyncio.Future) -> None:
+        if streaming and not g.cancelled():
+            task.cancel()
+
+    gone = asyncio.ensure_future(_disconnect(receive))
+    gone.add_done_callback(on_gone)
+    try:
+        async for chunk in reply.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if not timeline.first_written:
+                timeline.first_written = now()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        timeline.last_written = now()
+    except asyncio.CancelledError:
+        if not (gone.done() and not gone.cancelled()):
+            raise
+        task.uncancel()  # the client left: stop relaying, as Starlette did
+    finally:
+        streaming = False
+        gone.cancel()
+
+
+async def _disconnect(receive: Any) -> None:
+    """Returns when the client disconnects (the request body was already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
