@@ -14,23 +14,12 @@ from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware
 from splitserve.sim.models import get_model
 from splitserve.sim.tiers import SimLadder
+from tests.sim.helpers import COLLOCATED, DISAGG, config, run
 
-COLLOCATED = Deployment(collocated=2)
-DISAGG = Deployment(prefill=1, decode=2)
 ONE = Deployment(collocated=1)
 # llama3-8b in bf16: 2 (K, V) * 32 layers * 8 KV heads * 128 * 2 bytes per token.
 KV_PER_TOKEN = 131_072
 BLOCK_BYTES = 16 * KV_PER_TOKEN  # 2 MiB
-
-
-def config(**kw) -> SimConfig:
-    base = dict(max_num_seqs=32, max_num_batched_tokens=512)
-    return SimConfig(get_model("llama3-8b"), get_hardware("h100"), **{**base, **kw})
-
-
-def run(cfg: SimConfig, dep: Deployment, workload, rate: float, n: int):
-    cluster = Cluster(cfg, dep)
-    return cluster, cluster.run(workload.sessions(rate), limit=n)
 
 
 def test_tier_load_time_is_bytes_over_the_host_link_plus_latency():
