@@ -58,13 +58,17 @@ def test_serve_load_factor_below_one_is_a_clear_error():
     r = run("serve", "--decode", "2", "--load-factor", "0.5")
     assert r.returncode == 2 and "--load-factor must be >= 1" in r.stderr
     assert "Traceback" not in r.stderr
+    r = run("serve", "--decode", "2", "--load-floor", "0")
+    assert r.returncode == 2 and "--load-floor must be >= 1" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_serve_passes_its_router_flags_to_the_router():
     from splitserve.cli import build_parser, serve_topology
 
-    args = build_parser().parse_args(["serve", "--decode", "2", "--load-factor", "2"])
-    router_args = list(serve_topology(args).router_args)
+    argv = ["serve", "--decode", "2", "--load-factor", "2", "--load-floor", "3"]
+    router_args = list(serve_topology(build_parser().parse_args(argv)).router_args)
     assert router_args[router_args.index("--load-factor") + 1] == "2.0"
+    assert router_args[router_args.index("--load-floor") + 1] == "3"
     router = build_parser().parse_args(["router", "--decode", "http://127.0.0.1:1", *router_args])
-    assert router.load_factor == 2.0 and router.policy == "session"
+    assert router.load_factor == 2.0 and router.load_floor == 3 and router.policy == "session"

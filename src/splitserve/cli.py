@@ -11,7 +11,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.cli import add_router_parser
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
 from splitserve.router.policies import POLICIES
-from splitserve.router.ring import DEFAULT_LOAD_FACTOR
+from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR
 from splitserve.sim.cli import add_sim_parser
 
 
@@ -243,6 +243,8 @@ def serve_topology(args: argparse.Namespace):
 
     if args.load_factor < 1.0:
         raise ValueError(f"--load-factor must be >= 1, got {args.load_factor}")
+    if args.load_floor < 1:
+        raise ValueError(f"--load-floor must be >= 1, got {args.load_floor}")
     return Topology(
         prefill=args.prefill,
         decode=args.decode,
@@ -252,6 +254,7 @@ def serve_topology(args: argparse.Namespace):
             *("--remote-prefill-threshold", str(args.remote_prefill_threshold)),
             *("--policy", args.policy),
             *("--load-factor", str(args.load_factor)),
+            *("--load-floor", str(args.load_floor)),
         ],
     )
 
@@ -355,6 +358,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="C",
         help="session policy: a worker holds at most ceil(C x average) requests "
         f"(default {DEFAULT_LOAD_FACTOR}; with W workers, C >= W never moves a session)",
+    )
+    serve.add_argument(
+        "--load-floor",
+        type=int,
+        default=DEFAULT_LOAD_FLOOR,
+        metavar="N",
+        help="session policy: a session's home worker counts as full only from N requests "
+        f"in flight, whatever C gives (default {DEFAULT_LOAD_FLOOR})",
     )
     serve.add_argument(
         "--ready-timeout",

@@ -34,11 +34,14 @@ def test_arguments_become_a_config(monkeypatch):
         "least-loaded",
         "--load-factor",
         "1.5",
+        "--load-floor",
+        "2",
         "--disaggregate",
     )
     cfg = config_from_args(args)
     assert cfg.decode == ["h:1", "h:2"] and cfg.prefill == ["h:3"]
     assert cfg.policy == "least-loaded" and cfg.load_factor == 1.5 and cfg.disaggregate
+    assert cfg.load_floor == 2
     assert cfg.api_key == "from-env" and cfg.admin_key == "from-env"
     assert [(w.url, w.role) for w in cfg.initial_workers()] == [
         ("http://h:1", "decode"),
@@ -57,6 +60,8 @@ def test_bad_options_are_rejected():
         parse("--workers", "h:1", "--policy", "random")
     with pytest.raises(ValueError, match="load_factor must be >= 1"):
         config_from_args(parse("--workers", "h:1", "--load-factor", "0.5"))
+    with pytest.raises(ValueError, match="load_floor must be >= 1"):
+        config_from_args(parse("--workers", "h:1", "--load-floor", "0"))
     with pytest.raises(ValueError, match="listed twice"):
         config_from_args(parse("--workers", "h:1", "--decode", "http://h:1/")).initial_workers()
 

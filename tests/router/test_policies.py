@@ -66,6 +66,23 @@ def test_session_policy_without_key_picks_least_loaded():
 def test_session_policy_rejects_a_load_factor_below_one():
     with pytest.raises(ValueError, match="load_factor must be >= 1"):
         make_policy("session", load_factor=0.9)
+    with pytest.raises(ValueError, match="load_floor must be >= 1"):
+        make_policy("session", load_floor=0)
+
+
+def test_session_policy_with_a_load_floor_queues_a_turn_at_home_behind_one_request():
+    plain, floored, workers = (
+        make_policy("session"),
+        make_policy("session", load_floor=2),
+        pool(0, 0, 0, 0),
+    )
+    info = RequestInfo(session_key="agent-1")
+    home = plain.select_worker(workers, info)
+    home.in_flight = 1  # the only request in the pool: cap = ceil(1.25 * 2 / 4) = 1
+    assert plain.select_worker(workers, info) is not home
+    assert floored.select_worker(workers, info) is home
+    home.in_flight = 2
+    assert floored.select_worker(workers, info) is not home
 
 
 def test_unhealthy_worker_moves_only_its_sessions():

@@ -76,6 +76,24 @@ def test_load_cap_counts_the_request_being_placed(total, members, c, cap):
     assert load_cap(total, members, c) == cap
 
 
+@pytest.mark.parametrize(
+    ("total", "members", "c", "floor", "cap"),
+    [(1, 4, 1.25, 1, 1), (1, 4, 1.25, 2, 2), (3, 4, 1.25, 3, 3), (100, 4, 1.25, 3, 32)],
+)
+def test_load_floor_raises_a_small_cap_and_leaves_a_large_one(total, members, c, floor, cap):
+    assert load_cap(total, members, c, floor) == cap
+
+
+def test_a_load_floor_keeps_a_turn_home_behind_one_request():
+    ring = HashRing(URLS[:4])
+    order = list(ring.preference("s"))
+    loads = {order[0]: 1, order[1]: 0, order[2]: 0, order[3]: 0}  # cap = ceil(1.25 * 2 / 4) = 1
+    assert ring.bounded_owner("s", loads) == order[1]
+    assert ring.bounded_owner("s", loads, floor=2) == order[0]
+    loads[order[0]] = 2  # at the floor: full again
+    assert ring.bounded_owner("s", loads, floor=2) == order[1]
+
+
 def test_bounded_owner_stays_home_below_the_cap():
     ring = HashRing(URLS[:3])
     home = ring.owner("s")

@@ -87,6 +87,7 @@ def _policy(config: RouterConfig, name: str):
         options["vnodes"] = config.vnodes
     if name == "session":
         options["load_factor"] = config.load_factor
+        options["load_floor"] = config.load_floor
     return make_policy(name, **options)
 
 

@@ -12,6 +12,7 @@ import sys
 
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD, RouterConfig
 from splitserve.router.policies import POLICIES
+from splitserve.router.ring import DEFAULT_LOAD_FLOOR
 
 
 def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -42,6 +43,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=1.25,
         help="bounded loads: no worker above ceil(c * average) (default 1.25)",
+    )
+    p.add_argument(
+        "--load-floor",
+        type=int,
+        default=DEFAULT_LOAD_FLOOR,
+        metavar="N",
+        help="bounded loads: a session's home counts as full only from N requests "
+        f"(default {DEFAULT_LOAD_FLOOR})",
     )
     p.add_argument(
         "--api-key",
@@ -95,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         policy=args.policy,
         prefill_policy=args.prefill_policy,
         load_factor=args.load_factor,
+        load_floor=args.load_floor,
         api_key=args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None,
         admin_key=args.admin_key or os.environ.get("SPLITSERVE_ADMIN_KEY") or None,
         worker_api_key=args.worker_api_key or os.environ.get("SPLITSERVE_WORKER_API_KEY") or None,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.router.policies import POLICIES
-from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_VNODES
+from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR, DEFAULT_VNODES
 from splitserve.router.worker import Worker
 
 # Below this many uncached prompt tokens the decode worker prefills locally: a remote leg
@@ -33,6 +33,7 @@ class RouterConfig:
     policy: str = "session"
     prefill_policy: str = "prefix"
     load_factor: float = DEFAULT_LOAD_FACTOR
+    load_floor: int = DEFAULT_LOAD_FLOOR
     vnodes: int = DEFAULT_VNODES
     api_key: str | None = None
     admin_key: str | None = None
@@ -65,7 +66,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be one of {known}, got {getattr(self, name)!r}")
         if self.load_factor < 1.0:
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
-        positive = ("vnodes", "failure_threshold", "prefix_chars", "max_connections")
+        positive = ("vnodes", "load_floor", "failure_threshold", "prefix_chars", "max_connections")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

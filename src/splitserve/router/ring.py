@@ -9,6 +9,10 @@ Bounded loads (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded
 2018): no member may hold more than ``ceil(c * (total + 1) / n)`` requests, counting the one
 being placed. A key walks clockwise from its hash to the first member under that cap, so it
 stays home unless home is full, and the overflow goes to the same next member every time.
+
+The bound is meant for many requests per member. With a few single-request workers it is
+1 or 2, so a turn leaves a home that is running just one other request and recomputes its
+whole context elsewhere; ``floor`` keeps the cap at or above a chosen number of requests.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import xxhash
 
 DEFAULT_VNODES = 160
 DEFAULT_LOAD_FACTOR = 1.25
+DEFAULT_LOAD_FLOOR = 1  # the plain bound: ``load_cap`` is never below 1 anyway
 
 
 def key_position(key: str) -> int:
@@ -28,11 +33,12 @@ def key_position(key: str) -> int:
     return xxhash.xxh3_64_intdigest(key.encode())
 
 
-def load_cap(total_load: int, members: int, c: float) -> int:
-    """The most requests one member may hold once the request being placed is counted."""
+def load_cap(total_load: int, members: int, c: float, floor: int = DEFAULT_LOAD_FLOOR) -> int:
+    """The most requests one member may hold once the request being placed is counted:
+    ``ceil(c * (total + 1) / n)``, and never fewer than ``floor``."""
     if members < 1:
         raise ValueError("the load cap needs at least one member")
-    return max(1, math.ceil(c * (total_load + 1) / members))
+    return max(1, floor, math.ceil(c * (total_load + 1) / members))
 
 
 class HashRing:
@@ -101,7 +107,11 @@ class HashRing:
         return None
 
     def bounded_owner(
-        self, key: str, loads: Mapping[str, int], c: float = DEFAULT_LOAD_FACTOR
+        self,
+        key: str,
+        loads: Mapping[str, int],
+        c: float = DEFAULT_LOAD_FACTOR,
+        floor: int = DEFAULT_LOAD_FLOOR,
     ) -> str | None:
         """The first member clockwise from ``key`` whose load is under the bound.
 
@@ -110,7 +120,7 @@ class HashRing:
         """
         if not loads:
             return None
-        cap = load_cap(sum(loads.values()), len(loads), c)
+        cap = load_cap(sum(loads.values()), len(loads), c, floor)
         home = self.owner(key, lambda m: m in loads and loads[m] < cap)
         if home is None:  # c < 1 can leave every member at the cap: fall back to the least loaded
             return min(loads, key=lambda m: (loads[m], m))

@@ -5,7 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from splitserve.router.policies.base import RequestInfo, RoutingPolicy, least_loaded
-from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_VNODES, HashRing
+from splitserve.router.ring import (
+    DEFAULT_LOAD_FACTOR,
+    DEFAULT_LOAD_FLOOR,
+    DEFAULT_VNODES,
+    HashRing,
+)
 from splitserve.router.worker import Worker
 
 
@@ -55,22 +60,35 @@ class SessionPolicy(RoutingPolicy):
 
     ``load_factor`` is Mirrokni et al.'s ``c``: no worker holds more than
     ``ceil(c * average)`` requests, so one heavy session cannot pin its worker into overload.
-    Requests without a session key go to the least-loaded worker.
+    ``load_floor`` raises that cap to at least so many requests: a turn that leaves home
+    recomputes its context elsewhere, which costs more than queueing behind one or two
+    requests when the workers are few and busy one request at a time. Requests without a
+    session key go to the least-loaded worker.
     """
 
     name = "session"
 
-    def __init__(self, load_factor: float = DEFAULT_LOAD_FACTOR, vnodes: int = DEFAULT_VNODES):
+    def __init__(
+        self,
+        load_factor: float = DEFAULT_LOAD_FACTOR,
+        vnodes: int = DEFAULT_VNODES,
+        load_floor: int = DEFAULT_LOAD_FLOOR,
+    ):
         if load_factor < 1.0:
             raise ValueError(f"load_factor must be >= 1 (a cap below average), got {load_factor}")
+        if load_floor < 1:
+            raise ValueError(f"load_floor must be >= 1, got {load_floor}")
         self.load_factor = load_factor
+        self.load_floor = load_floor
         self._ring = SyncedRing(vnodes)
 
     def select_worker(self, workers: Sequence[Worker], info: RequestInfo) -> Worker | None:
         if not workers or info.session_key is None:
             return least_loaded(workers)
         ring = self._ring.sync(workers)
-        url = ring.bounded_owner(info.session_key, self._ring.loads, self.load_factor)
+        url = ring.bounded_owner(
+            info.session_key, self._ring.loads, self.load_factor, self.load_floor
+        )
         return self._ring.worker(url)
 
     def home_worker(self, workers: Sequence[Worker], info: RequestInfo) -> Worker | None:
