@@ -63,6 +63,25 @@ def test_serve_load_factor_below_one_is_a_clear_error():
     assert "Traceback" not in r.stderr
 
 
+def test_bad_engine_options_are_clear_cli_errors():
+    r = run("serve", "--decode", "2", "--max-num-seqs", "0")
+    assert r.returncode == 2 and "max_num_seqs must be an integer >= 1" in r.stderr
+    r = run("serve", "--decode", "2", "--scheduling-policy", "lifo")
+    assert r.returncode == 2 and "invalid choice: 'lifo'" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_serve_passes_its_engine_flags_to_every_worker():
+    from splitserve.cli import build_parser, serve_worker_args
+
+    argv = ["serve", "--decode", "2", "--scheduling-policy", "shortest-prefill"]
+    argv += ["--max-num-batched-tokens", "256", "--max-num-seqs", "8"]
+    worker_args = serve_worker_args(build_parser().parse_args(argv))
+    worker = build_parser().parse_args(["worker", *worker_args])
+    assert worker.scheduling_policy == "shortest-prefill"
+    assert (worker.max_num_batched_tokens, worker.max_num_seqs) == (256, 8)
+
+
 def test_serve_passes_its_router_flags_to_the_router():
     from splitserve.cli import build_parser, serve_topology
 

@@ -8,6 +8,7 @@ import sys
 
 from splitserve.bench.cli import add_bench_parser
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.scheduler import SCHEDULING_POLICIES
 from splitserve.router.cli import add_router_parser
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
 from splitserve.router.policies import POLICIES
@@ -26,6 +27,23 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache pool size")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
+        "--max-num-seqs", type=int, default=None, help="most requests in one batch (default 64)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one engine step; longer prompts are prefilled in chunks "
+        "(default 1024)",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=list(SCHEDULING_POLICIES),
+        help="which waiting request starts next: arrival order, or the one with the fewest "
+        "uncached prompt tokens (default fcfs)",
+    )
+    p.add_argument(
         "--split-gemv",
         action="store_true",
         help="split decode steps' weight products across --threads (faster on idle cores, "
@@ -40,6 +58,12 @@ def _engine_options(args: argparse.Namespace) -> dict:
         kv_cache_gb=args.kv_cache_gb,
         max_model_len=args.max_model_len,
         split_gemv=args.split_gemv,
+        scheduling_policy=args.scheduling_policy,
+        **{
+            name: getattr(args, name)
+            for name in ("max_num_seqs", "max_num_batched_tokens")
+            if getattr(args, name) is not None
+        },
     )
 
 
@@ -259,25 +283,35 @@ def serve_topology(args: argparse.Namespace):
     )
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from splitserve.cluster.local import serve
-
-    topology = serve_topology(args)
-    _tier_config(args)  # bad tier flags fail here, not in every worker
+def serve_worker_args(args: argparse.Namespace) -> list[str]:
+    """The engine and tier flags ``serve`` passes to every worker it starts."""
     worker_args = ["--dtype", args.dtype, "--kv-cache-gb", str(args.kv_cache_gb)]
+    worker_args += ["--scheduling-policy", args.scheduling_policy]
     worker_args += _tier_worker_args(args)
     for flag, value in (
         ("--threads", args.threads),
         ("--max-model-len", args.max_model_len),
+        ("--max-num-seqs", args.max_num_seqs),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
         ("--max-waiting", args.max_waiting),
     ):
         if value is not None:
             worker_args += [flag, str(value)]
+    return worker_args
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from splitserve.cluster.local import serve
+    from splitserve.config import EngineConfig
+
+    topology = serve_topology(args)
+    _tier_config(args)  # bad tier flags fail here, not in every worker
+    EngineConfig.from_kwargs(**_engine_options(args))  # and bad engine options
     return serve(
         host=args.host,
         port=args.port,
         model=args.model,
-        worker_args=worker_args,
+        worker_args=serve_worker_args(args),
         api_key=args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None,
         ready_timeout=args.ready_timeout,
         topology=topology,

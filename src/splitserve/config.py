@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.engine.scheduler import SCHEDULING_POLICIES
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -56,6 +58,9 @@ class EngineConfig:
     kv_cache_shm: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    # Which waiting request starts next: "fcfs", or "shortest-prefill" (fewest tokens left to
+    # compute after the prefix cache and KV tiers; see engine/scheduler.py).
+    scheduling_policy: str = "fcfs"
     max_model_len: int | None = None  # default: the model's own limit, bounded by the KV pool
     threads: int | None = None
     # Split small decode steps' weight products across the threads (models.llama.SplitGemv):
@@ -75,6 +80,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            known = ", ".join(SCHEDULING_POLICIES)
+            raise ValueError(
+                f"scheduling_policy must be one of {known}, got {self.scheduling_policy!r}"
+            )
         if not self.kv_cache_gb > 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb!r}")
         if self.kv_cache_shm and self.device != "cpu":

@@ -196,3 +196,53 @@ def test_keep_blocks_is_ignored_on_abort():
     step(s)
     s.abort("a")
     assert s.block_manager.num_free_blocks == 16
+
+
+# ---- shortest-prefill policy ----------------------------------------------------------------
+
+
+def make_sjf(budget=8, max_overtakes=16, num_blocks=64) -> Scheduler:
+    config = SchedulerConfig(8, budget, 256, policy="shortest-prefill", max_overtakes=max_overtakes)
+    return Scheduler(config, BlockManager(num_blocks, BS))
+
+
+def test_unknown_scheduling_policy_is_a_clear_error():
+    with pytest.raises(ValueError, match="scheduling policy must be one of fcfs, shortest-prefill"):
+        SchedulerConfig(policy="lifo")
+
+
+def test_shortest_prefill_admits_the_fewest_uncomputed_tokens_first():
+    s = make_sjf(budget=8)
+    s.add(seq("long", 20, first=100))
+    s.add(seq("short", 6, first=200))
+    s.add(seq("mid", 10, first=300))
+    # fcfs would give "long" the whole budget; here "short" (6) goes first, "mid" gets the rest
+    assert shape(step(s)) == [("short", 0, 6, True), ("mid", 0, 2, False)]
+    assert [q.request_id for q in s.waiting] == ["long"]
+
+
+def test_shortest_prefill_counts_the_prefix_cache_as_computed():
+    s = make_sjf(budget=64)
+    s.add(seq("warm", 17, first=1))  # 4 full blocks published once it ran
+    step(s)
+    s.add(seq("cold", 12, first=500))
+    s.add(seq("again", 20, first=1))  # 20 tokens, the first 16 cached: 4 left to compute
+    plan = step(s)
+    assert [(c.request_id, c.start_pos, c.num_tokens) for c in plan.chunks] == [
+        ("warm", 17, 1),
+        ("again", 16, 4),
+        ("cold", 0, 12),
+    ]
+
+
+def test_shortest_prefill_never_passes_a_request_more_than_max_overtakes_times():
+    s = make_sjf(budget=4, max_overtakes=2)
+    s.add(seq("long", 40, first=1000, max_tokens=1))
+    starts = []
+    for i in range(3):  # a stream of short requests, each arriving after "long"
+        s.add(seq(f"s{i}", 4, first=10 * i + 1, max_tokens=1))
+        starts += [c.request_id for c in step(s).chunks if c.start_pos == 0]
+    assert starts == ["s0", "s1", "long"]  # s2's turn went to "long", passed twice
+    assert [q.request_id for q in s.waiting] == ["s2"]
+    assert s.running[0].request_id == "long" and s.running[0].num_overtaken == 2
+    assert shape(step(s)) == [("long", 4, 4, False)]  # once running, it keeps its chunks

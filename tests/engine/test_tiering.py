@@ -259,3 +259,19 @@ def test_pin_takes_a_cached_prefix_within_quota_and_aborts_never_pin():
     sched.schedule()
     sched.abort("b")
     assert tiering.pinned_blocks == 0
+
+
+def test_shortest_prefill_counts_what_lower_tiers_hold_as_not_to_compute():
+    tokens = list(range(1, 22))  # 21 tokens; lower tiers hold blocks 0..3: 5 left to compute
+    for policy, loading in (("fcfs", []), ("shortest-prefill", ["warm"])):
+        bm = BlockManager(32, BS)
+        tiering = Tiering(bm, Lower(hash_blocks(tokens, ROOT, BS)[:4]), None, Clock())
+        sched = Scheduler(SchedulerConfig(8, 12, 64, policy=policy), bm, tiering)
+        sched.add(seq("cold", 12, first=500))  # 12 to compute (the whole budget), first in line
+        warm = seq("warm", 21)
+        sched.add(warm)
+        assert tiering.blocks_below(warm, bm.match_prefix(warm)) == 4
+        assert [c.request_id for c in sched.schedule().chunks] == ["cold"]
+        # fcfs: "cold" took the budget before "warm" was looked at; shortest-prefill: "warm"
+        # went first and left the queue to wait for its load, then "cold" was admitted
+        assert list(tiering.loading) == loading, policy

@@ -72,6 +72,16 @@ def test_greedy_is_identical_after_preemption(llm):
     assert small.engine.block_manager.num_free_blocks == small.engine.block_manager.num_blocks
 
 
+def test_greedy_is_identical_under_shortest_prefill_scheduling(llm):
+    prompts = mixed_prompts(llm, n=8)
+    llm.engine.block_manager.reset_prefix_cache()
+    expected = tokens(llm.generate(prompts, GREEDY))
+    # A small step budget leaves most prompts waiting, to be admitted shortest first.
+    sjf = LLM(kv_cache_gb=0.25, max_num_batched_tokens=64, scheduling_policy="shortest-prefill")
+    assert sjf.engine.scheduler.config.policy == "shortest-prefill"
+    assert tokens(sjf.generate(prompts, GREEDY)) == expected
+
+
 def test_seeded_sampling_is_reproducible_in_any_batch(llm):
     p = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=1234)
     alone = tokens(llm.generate(["Once upon a time"], p))[0]

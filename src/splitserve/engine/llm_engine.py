@@ -69,6 +69,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
+                policy=config.scheduling_policy,
             ),
             self.block_manager,
             self.tiering,

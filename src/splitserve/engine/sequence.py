@@ -44,6 +44,7 @@ class Sequence:
     retention_s: float | None = None
     session_id: str | None = None
     tier_checked: bool = False  # lower tiers hold nothing more for it (never load twice)
+    num_overtaken: int = 0  # later arrivals admitted ahead of it (shortest-prefill policy)
     # The full blocks' hashes, computed once for every lookup and registration; a caller
     # may pass a chain it already has (a session's previous turn), see ``BlockChain``.
     chain: BlockChain | None = None

@@ -173,6 +173,15 @@ class Tiering:
         self.loading[seq.request_id] = seq
         return Admission.LOADING
 
+    def blocks_below(self, seq: Sequence, match: PrefixMatch) -> int:
+        """How many blocks after ``match`` lower tiers hold (or a load in flight brings) for
+        ``seq``: what a load would spare it from computing. An index lookup, no I/O."""
+        if self.lower is None or seq.tier_checked:
+            return 0
+        end = self.bm.reusable_blocks(seq.num_tokens)
+        held, arriving = self._held_below(self.bm.chain(seq, end).hashes[match.num_blocks : end])
+        return len(held) + (arriving is not None)
+
     def prefetch(self, token_ids: list[int], root: BlockHash) -> tuple[int, int]:
         """Start promoting whatever lower tiers hold of this prompt's prefix (a hint that the
         prompt is coming). Returns ``(held, loading)``: the leading reusable blocks the device
