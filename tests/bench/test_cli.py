@@ -80,3 +80,16 @@ def test_deployments_share_the_cores_the_same_way():
         "--policy",
         "round-robin",
     ]
+
+
+def test_every_deployment_is_a_valid_serve_command():
+    from splitserve.cli import build_parser, serve_worker_args
+
+    for dep in DEPLOYMENTS.values():
+        argv = serve_argv(dep, 2, 1, 8123)
+        args = build_parser().parse_args(argv[argv.index("serve") :])
+        assert args.decode + args.prefill == 2, dep.name
+    sjf = build_parser().parse_args(
+        serve_argv(DEPLOYMENTS["collocated-session-tiers-sjf"], 2, 1, 8123)[3:]
+    )
+    assert "shortest-prefill" in serve_worker_args(sjf) and sjf.host_kv_gb == 2.0

@@ -47,6 +47,11 @@ class Deployment:
         return workers // 2, workers - workers // 2
 
 
+SESSION_TIERS_SJF = (
+    *("--policy", "session", "--host-kv-gb", "2"),
+    *("--scheduling-policy", "shortest-prefill"),
+)
+
 DEPLOYMENTS = {
     d.name: d
     for d in (
@@ -61,6 +66,12 @@ DEPLOYMENTS = {
             False,
             ("--policy", "session", "--host-kv-gb", "2"),
             "collocated, session affinity, 2 GB host-RAM KV tier per worker",
+        ),
+        Deployment(
+            "collocated-session-tiers-sjf",
+            False,
+            SESSION_TIERS_SJF,
+            "collocated-session-tiers, workers admit the shortest uncached prompt first",
         ),
         Deployment("disagg", True, ("--policy", "round-robin"), "P/D pools, round-robin decode"),
         Deployment("disagg-session", True, ("--policy", "session"), "P/D pools, session affinity"),
