@@ -86,6 +86,8 @@ class _Request:
     rid: str
     session: SessionSpec
     turn: int
+    # The session's context list itself, not a copy: it grows only after this request ends
+    # (``_finish``), and each of the request's sequences copies it.
     prompt: list[int]
     record: RequestRecord
     info: RequestInfo
@@ -202,7 +204,7 @@ class Cluster:
         info = RequestInfo(key, f"shared:{hash(shared)}", len(context))
         record = RequestRecord(spec.session_id, k, self.now, prompt_tokens=len(context))
         chain = self._chains[spec.session_id]
-        req = _Request(rid, spec, k, list(context), record, info, chain)
+        req = _Request(rid, spec, k, context, record, info, chain)
         self._requests[rid] = req
         self._place(req, len(context) - cached_before)
 
