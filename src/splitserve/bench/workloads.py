@@ -141,12 +141,18 @@ def session_rng(seed: int, index: int) -> np.random.Generator:
     return np.random.default_rng([seed, _SESSION, index])
 
 
+# Every id as one shared int object. A simulated cluster keeps the tokens of every cached
+# block (millions of blocks at scale): ids drawn as fresh ints cost an object per token.
+_IDS = list(range(max(TOKEN_ID_HI, TEXT_ID_BASE + len(WORDS))))
+
+
 def text_ids(rng: np.random.Generator, n: int) -> tuple[int, ...]:
-    return tuple(rng.integers(TEXT_ID_BASE, TEXT_ID_BASE + len(WORDS), n).tolist())
+    drawn = rng.integers(TEXT_ID_BASE, TEXT_ID_BASE + len(WORDS), n).tolist()
+    return tuple(map(_IDS.__getitem__, drawn))
 
 
 def token_ids(rng: np.random.Generator, n: int) -> tuple[int, ...]:
-    return tuple(rng.integers(TOKEN_ID_LO, TOKEN_ID_HI, n).tolist())
+    return tuple(map(_IDS.__getitem__, rng.integers(TOKEN_ID_LO, TOKEN_ID_HI, n).tolist()))
 
 
 @dataclass(frozen=True, slots=True)
