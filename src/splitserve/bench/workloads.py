@@ -141,12 +141,19 @@ def session_rng(seed: int, index: int) -> np.random.Generator:
     return np.random.default_rng([seed, _SESSION, index])
 
 
+# Every id as one shared int object. A simulated cluster keeps the tokens of every cached
+# block (millions of blocks at scale): ids drawn as fresh ints cost an object per token.
+# (An object array indexed by the drawn ids gives those objects as fast as ``tolist`` makes
+# new ones.)
+_IDS = np.array(list(range(max(TOKEN_ID_HI, TEXT_ID_BASE + len(WORDS)))), dtype=object)
+
+
 def text_ids(rng: np.random.Generator, n: int) -> tuple[int, ...]:
-    return tuple(rng.integers(TEXT_ID_BASE, TEXT_ID_BASE + len(WORDS), n).tolist())
+    return tuple(_IDS[rng.integers(TEXT_ID_BASE, TEXT_ID_BASE + len(WORDS), n)].tolist())
 
 
 def token_ids(rng: np.random.Generator, n: int) -> tuple[int, ...]:
-    return tuple(rng.integers(TOKEN_ID_LO, TOKEN_ID_HI, n).tolist())
+    return tuple(_IDS[rng.integers(TOKEN_ID_LO, TOKEN_ID_HI, n)].tolist())
 
 
 @dataclass(frozen=True, slots=True)

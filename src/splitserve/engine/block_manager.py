@@ -127,7 +127,7 @@ class BlockManager:
     def lookup(self, h: BlockHash, tokens: tuple[int, ...]) -> int | None:
         """The block holding KV for ``h``, if cached and its tokens really match."""
         block_id = self._cached.get(h)
-        if block_id is None or self._tokens[block_id] != tokens:
+        if block_id is None or not _same(self._tokens[block_id], tokens):
             return None
         return block_id
 
@@ -148,7 +148,7 @@ class BlockManager:
         block_ids: list[int] = []
         for h, tokens in zip(chain.hashes[:num_blocks], chain.tokens[:num_blocks], strict=True):
             block_id = cached.get(h)
-            if block_id is None or stored[block_id] != tokens:
+            if block_id is None or not _same(stored[block_id], tokens):
                 break
             block_ids.append(block_id)
         return block_ids
@@ -312,3 +312,9 @@ class BlockManager:
             if self.on_evict is not None:
                 self.on_evict(h)
             self._hash[block_id], self._tokens[block_id] = None, ()
+
+
+def _same(stored: tuple[int, ...], tokens: tuple[int, ...]) -> bool:
+    """Whether a block's stored tokens are ``tokens``. Mostly they are the very tuple that
+    was stored (a session's own chain): a tuple's ``==`` would still compare every item."""
+    return stored is tokens or stored == tokens

@@ -46,12 +46,19 @@ def _collector_paused() -> Iterator[None]:
     """A run keeps millions of objects alive (token chains, cached blocks' tokens, records)
     and makes no reference cycles worth collecting before it ends; the cyclic collector's
     passes over them were a quarter of a large run. Reference counting still frees all
-    else at once."""
+    else at once.
+
+    Every object made while paused is counted in the youngest generation, so the first
+    collection after it would scan them all (seconds at a million requests). Freezing and
+    unfreezing moves them to the oldest generation first, unscanned, as if they had survived
+    earlier collections; they are scanned with it, when it is next due."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        gc.freeze()
+        gc.unfreeze()
         if enabled:
             gc.enable()
 
@@ -79,6 +86,8 @@ class _Request:
     rid: str
     session: SessionSpec
     turn: int
+    # The session's context list itself, not a copy: it grows only after this request ends
+    # (``_finish``), and each of the request's sequences copies it.
     prompt: list[int]
     record: RequestRecord
     info: RequestInfo
@@ -195,7 +204,7 @@ class Cluster:
         info = RequestInfo(key, f"shared:{hash(shared)}", len(context))
         record = RequestRecord(spec.session_id, k, self.now, prompt_tokens=len(context))
         chain = self._chains[spec.session_id]
-        req = _Request(rid, spec, k, list(context), record, info, chain)
+        req = _Request(rid, spec, k, context, record, info, chain)
         self._requests[rid] = req
         self._place(req, len(context) - cached_before)
 
