@@ -98,6 +98,9 @@ def serve_flags() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--policy", default="session")
     p.add_argument("--prefill-policy", default="prefix")
+    p.add_argument("--scheduling-policy", default="fcfs")
+    p.add_argument("--load-factor", type=float, default=None)
+    p.add_argument("--load-floor", type=int, default=None)
     for flag in ("--kv-cache-gb", "--host-kv-gb"):
         p.add_argument(flag, type=float, default=None)
     p.add_argument("--disk-kv-gb", type=float, default=10.0)  # the worker's default
@@ -121,7 +124,9 @@ def simulated_system(run: dict) -> tuple[Deployment, dict]:
     # `serve` with no prefill workers runs its decode workers collocated (role both).
     dep = Deployment(a.prefill, a.decode) if a.prefill else Deployment(collocated=a.decode)
     settings = {"policy": a.policy, "prefill_policy": a.prefill_policy}
-    for name in ("kv_cache_gb", "host_kv_gb", "max_num_seqs", "max_num_batched_tokens"):
+    settings["scheduling_policy"] = a.scheduling_policy
+    knobs = ("kv_cache_gb", "host_kv_gb", "max_num_seqs", "max_num_batched_tokens")
+    for name in (*knobs, "load_factor", "load_floor"):
         if getattr(a, name) is not None:
             settings[name] = getattr(a, name)
     if a.block_size is not None:

@@ -33,6 +33,16 @@ def test_sim_with_a_host_kv_tier_reports_its_loads(capsys, tmp_path):
     assert "must be >= 0" in capsys.readouterr().err
 
 
+def test_sim_takes_the_engine_and_router_settings_of_serve():
+    from splitserve.cli import build_parser
+    from splitserve.sim.cli import build_config
+
+    argv = ["sim", "--rate", "1", "--scheduling-policy", "shortest-prefill"]
+    argv += ["--load-factor", "1.5", "--load-floor", "3"]
+    cfg = build_config(build_parser().parse_args(argv))
+    assert (cfg.scheduling_policy, cfg.load_factor, cfg.load_floor) == ("shortest-prefill", 1.5, 3)
+
+
 def test_sim_plan_prints_a_table_with_the_best_first(capsys):
     args = ["sim", "plan", "--gpus", "2", "--workload", "random", "--input-len", "512"]
     args += ["--output-len", "16", "--duration", "4", "--iters", "3", "--slo", "ttft:500"]

@@ -163,3 +163,36 @@ def test_a_run_leaves_what_it_made_to_the_oldest_collector_generation():
     finally:
         gc.enable()
     assert id(records) in oldest and all(id(r) in oldest for r in records)
+
+
+def test_shortest_prefill_admission_starts_more_turns_quickly_under_a_burst():
+    # One worker past its knee: the real scheduler's shortest-prefill order lets returning
+    # turns (short uncached parts) go before new sessions, as on a real worker.
+    def ttfts(policy):
+        cfg = config(scheduling_policy=policy, max_num_batched_tokens=2048)
+        _, records = run(cfg, Deployment(collocated=1), AgenticConfig(seed=0), 40.0, 300)
+        assert all(r.ok for r in records)
+        return sorted(r.ttft_s for r in records)
+
+    fcfs, sjf = ttfts("fcfs"), ttfts("shortest-prefill")
+    assert len(fcfs) == len(sjf)
+    assert sum(t < 0.5 for t in sjf) > 1.2 * sum(t < 0.5 for t in fcfs)
+    assert sjf[len(sjf) // 2] < 0.5 * fcfs[len(fcfs) // 2]
+
+
+def test_a_load_floor_keeps_more_turns_home_and_their_context_cached():
+    cached = []
+    for floor in (1, 2, 4):
+        cluster, records = run(
+            config(load_floor=floor), Deployment(collocated=4), AgenticConfig(seed=0), 5.0, 300
+        )
+        assert cluster.decode_policy.load_floor == floor
+        cached.append(sum(r.cached_tokens for r in records))
+    assert cached[0] < cached[1] < cached[2]
+
+
+def test_bad_scheduling_and_load_settings_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'"):
+        config(scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="load_factor and load_floor must be >= 1"):
+        config(load_floor=0)

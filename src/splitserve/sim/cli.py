@@ -7,7 +7,9 @@ import argparse
 from splitserve.bench.cli import add_run_args, loads_from_args, workload_from_args, write_outputs
 from splitserve.bench.load import Load
 from splitserve.bench.metrics import SLO, format_summary
+from splitserve.engine.scheduler import SCHEDULING_POLICIES
 from splitserve.router.policies import POLICIES
+from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import HARDWARE, get_hardware, load_calibration
 from splitserve.sim.models import DTYPE_BYTES, MODELS, get_model
@@ -62,6 +64,9 @@ def _add_run_args(p: argparse.ArgumentParser, deployment: bool = True) -> None:
     )
     s.add_argument("--policy", default="session", choices=sorted(POLICIES))
     s.add_argument("--prefill-policy", default="prefix", choices=sorted(POLICIES))
+    s.add_argument("--load-factor", type=float, default=DEFAULT_LOAD_FACTOR, metavar="C")
+    s.add_argument("--load-floor", type=int, default=DEFAULT_LOAD_FLOOR, metavar="N")
+    s.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
     s.add_argument("--remote-prefill-threshold", type=int, default=64)
     s.add_argument(
         "--itl", action="store_true", help="record every inter-token gap (ITL statistics)"
@@ -97,6 +102,9 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         disk_kv_gb=args.disk_kv_gb,
         policy=args.policy,
         prefill_policy=args.prefill_policy,
+        load_factor=args.load_factor,
+        load_floor=args.load_floor,
+        scheduling_policy=args.scheduling_policy,
         remote_prefill_threshold=args.remote_prefill_threshold,
         record_itl=args.itl,
         chat_template=args.chat_template,

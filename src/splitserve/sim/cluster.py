@@ -30,7 +30,7 @@ from splitserve.common.kv_hash import BlockChain, BlockHash, root_hash
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerConfig
 from splitserve.engine.sequence import Sequence
-from splitserve.router.policies import RequestInfo, make_policy
+from splitserve.router.policies import RequestInfo
 from splitserve.router.worker import Worker
 from splitserve.sim.chat import append_prompt, append_reply
 from splitserve.sim.deployment import Deployment, SimConfig
@@ -132,8 +132,8 @@ class Cluster:
         self._decode_candidates = [w.router for w in self.decode_pool]
         self._prefill_candidates = [w.router for w in self.prefill_pool]
         self._by_router = {id(w.router): w for w in self.workers}
-        self.decode_policy = make_policy(config.policy)
-        self.prefill_policy = make_policy(config.prefill_policy)
+        self.decode_policy = config.routing_policy(config.policy)
+        self.prefill_policy = config.routing_policy(config.prefill_policy)
         self._sessions: Iterator[SessionSpec] = iter(())
         self._contexts: dict[str, list[int]] = {}
         self._chains: dict[str, BlockChain] = {}
@@ -141,7 +141,10 @@ class Cluster:
     def _pool(self, role: str, count: int, first: int) -> list[SimWorker]:
         per_node = max(1, self.config.hardware.gpus_per_node // self.deployment.tp)
         sched = SchedulerConfig(
-            self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            self.max_model_len,
+            policy=self.config.scheduling_policy,
         )
         out = []
         for i in range(count):

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.engine.scheduler import SCHEDULING_POLICIES
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
-from splitserve.router.policies import POLICIES
+from splitserve.router.policies import POLICIES, make_policy
+from splitserve.router.policies.base import RoutingPolicy
+from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR
 from splitserve.sim.cost_model import CostModel
 from splitserve.sim.hardware import HardwareProfile
 from splitserve.sim.models import ModelProfile
@@ -61,6 +64,9 @@ class SimConfig:
     disk_kv_gb: float = 0.0  # per worker: a local-disk KV tier below it (0: none)
     policy: str = "session"
     prefill_policy: str = "prefix"
+    load_factor: float = DEFAULT_LOAD_FACTOR  # the session policy's bounded loads, as the router
+    load_floor: int = DEFAULT_LOAD_FLOOR
+    scheduling_policy: str = "fcfs"  # the engine's admission order, as --scheduling-policy
     remote_prefill_threshold: int = DEFAULT_REMOTE_PREFILL_THRESHOLD
     chat_template: bool = False  # chat-API sessions' prompts carry ChatML's tokens (sim/chat.py)
     exact: bool = False  # every step through the real schedule()/update() (slow; for tests)
@@ -71,6 +77,11 @@ class SimConfig:
             if getattr(self, name) not in POLICIES:
                 known = ", ".join(sorted(POLICIES))
                 raise ValueError(f"unknown routing policy {getattr(self, name)!r}; use {known}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            known = ", ".join(SCHEDULING_POLICIES)
+            raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}; use {known}")
+        if self.load_factor < 1.0 or self.load_floor < 1:
+            raise ValueError("load_factor and load_floor must be >= 1")
         if self.block_size < 1 or self.max_num_seqs < 1:
             raise ValueError("block_size and max_num_seqs must be >= 1")
         if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
@@ -79,6 +90,12 @@ class SimConfig:
             raise ValueError("max_num_seqs must not exceed max_num_batched_tokens")
         if not (self.host_kv_gb >= 0 and self.disk_kv_gb >= 0):
             raise ValueError("host_kv_gb and disk_kv_gb must be >= 0")
+
+    def routing_policy(self, name: str) -> RoutingPolicy:
+        """A router policy by name, with this config's bounded loads for ``session``."""
+        if name == "session":
+            return make_policy(name, load_factor=self.load_factor, load_floor=self.load_floor)
+        return make_policy(name)
 
     def cost_model(self, tp: int) -> CostModel:
         return CostModel(self.model, self.hardware, tp, self.dtype, self.kv_dtype)

@@ -79,7 +79,11 @@ class SimEngine:
         self.tiering = None if tiers is None else SimTiering(self.block_manager, tiers)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.max_model_len,
+                policy=config.policy,
+                max_overtakes=config.max_overtakes,
             ),
             self.block_manager,
             self.tiering,
