@@ -127,6 +127,10 @@ def test_the_real_engine_steps_and_host_tier_loads_are_measured():
     decode = [s.shape for s in samples[3:]]
     assert [(s.tokens, s.chunks) for s in decode] == [(1, 1), (3, 3)]
     assert all(s.seconds > 0 for s in samples)
+    # Regression: a second measurement on the same engine reused the first one's request ids
+    # and prompts (its prefills then hit the prefix cache and measured shorter steps).
+    again = measure(None, 1, 1, (16, 48), (1,), engine=engine, context_prefills=())
+    assert [s.shape for s in again[:2]] == prefill[:2]
     # The real KV mover, host RAM -> the engine's KV cache: some bytes per second, at most
     # what this machine's memory moves (a copy reads and writes; 100 GB/s is far above it).
     assert 1e7 < measure_host_load(engine, blocks=16, repeats=1) < 1e11

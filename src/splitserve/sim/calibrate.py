@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -36,6 +37,10 @@ DECODE_BATCHES = (1, 4, 8, 16)
 DECODE_CONTEXT = 128
 # Prefills of (new tokens, cached tokens before them): a later turn over its cached context.
 CONTEXT_PREFILLS = ((32, 512), (128, 512))
+# Each ``measure`` call draws its own prompts and request ids: measuring twice on one engine
+# (before and after a run) must neither hit the first call's prompts in the prefix cache nor
+# reuse the ids it left behind.
+_CALLS = itertools.count()
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +84,10 @@ def measure(
 
     if engine is None:
         engine = build_engine(model_path, threads)
-    rng = np.random.default_rng(0)
+    call = next(_CALLS)
+    rng = np.random.default_rng(call)
     samples: list[Sample] = []
-    counter = iter(range(10**9))
+    counter = (f"c{call}-{i}" for i in itertools.count())
 
     def prompt(n: int) -> list[int]:
         return [int(t) for t in rng.integers(1000, 40000, n)]
@@ -97,20 +103,20 @@ def measure(
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for n in (*prefill_lens[:1], *prefill_lens):  # the first one warms up
         for _ in range(repeats):
-            engine.add_request(f"c{next(counter)}", prompt(n), one)
+            engine.add_request(next(counter), prompt(n), one)
             samples.append(timed_step())
     del samples[:repeats]
     for n, cached in context_prefills:
         context = prompt(cached)
-        engine.add_request(f"c{next(counter)}", context, one)  # computes and caches it
+        engine.add_request(next(counter), context, one)  # computes and caches it
         while engine.has_unfinished_requests():
             engine.step()
         for _ in range(repeats):
-            engine.add_request(f"c{next(counter)}", context + prompt(n), one)
+            engine.add_request(next(counter), context + prompt(n), one)
             samples.append(timed_step())
     for b in decode_batches:
         params = SamplingParams(max_tokens=repeats + 2, temperature=0.0, ignore_eos=True)
-        ids = [f"c{next(counter)}" for _ in range(b)]
+        ids = [next(counter) for _ in range(b)]
         for rid in ids:
             engine.add_request(rid, prompt(DECODE_CONTEXT), params)
         while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or (
