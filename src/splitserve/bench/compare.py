@@ -47,10 +47,7 @@ class Deployment:
         return workers // 2, workers - workers // 2
 
 
-SESSION_TIERS_SJF = (
-    *("--policy", "session", "--host-kv-gb", "2"),
-    *("--scheduling-policy", "shortest-prefill"),
-)
+SESSION_TIERS = ("--policy", "session", "--host-kv-gb", "2")
 
 DEPLOYMENTS = {
     d.name: d
@@ -64,13 +61,13 @@ DEPLOYMENTS = {
         Deployment(
             "collocated-session-tiers",
             False,
-            ("--policy", "session", "--host-kv-gb", "2"),
+            SESSION_TIERS,
             "collocated, session affinity, 2 GB host-RAM KV tier per worker",
         ),
         Deployment(
             "collocated-session-tiers-sjf",
             False,
-            SESSION_TIERS_SJF,
+            (*SESSION_TIERS, "--scheduling-policy", "shortest-prefill"),
             "collocated-session-tiers, workers admit the shortest uncached prompt first",
         ),
         Deployment("disagg", True, ("--policy", "round-robin"), "P/D pools, round-robin decode"),
@@ -78,7 +75,7 @@ DEPLOYMENTS = {
         Deployment(
             "disagg-session-tiers",
             True,
-            ("--policy", "session", "--host-kv-gb", "2"),
+            SESSION_TIERS,
             "P/D pools, session affinity, 2 GB host-RAM KV tier per worker",
         ),
     )

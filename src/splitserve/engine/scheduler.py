@@ -136,7 +136,9 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
         bm = self.block_manager
-        arrival = self._order_waiting() if self.config.policy != "fcfs" else None
+        room = budget > 0 and len(self.running) < self.config.max_num_seqs
+        order = self.config.policy != "fcfs" and room and len(self.waiting) > 1
+        arrival = self._order_waiting() if order else None
         admitted: list[int] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]

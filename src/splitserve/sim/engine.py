@@ -27,6 +27,7 @@ same as when stepping exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
@@ -78,13 +79,7 @@ class SimEngine:
         # Lower KV tiers: the real policy, consulted by the real scheduler at admission.
         self.tiering = None if tiers is None else SimTiering(self.block_manager, tiers)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                config.max_num_seqs,
-                config.max_num_batched_tokens,
-                config.max_model_len,
-                policy=config.policy,
-                max_overtakes=config.max_overtakes,
-            ),
+            dataclasses.replace(config),  # its own: a decode run narrows the budget
             self.block_manager,
             self.tiering,
         )
