@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.engine.scheduler import SCHEDULING_POLICIES
+from splitserve.engine.scheduler import check_scheduling_policy
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -80,11 +80,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            known = ", ".join(SCHEDULING_POLICIES)
-            raise ValueError(
-                f"scheduling_policy must be one of {known}, got {self.scheduling_policy!r}"
-            )
+        check_scheduling_policy(self.scheduling_policy)
         if not self.kv_cache_gb > 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb!r}")
         if self.kv_cache_shm and self.device != "cpu":

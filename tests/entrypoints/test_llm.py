@@ -142,3 +142,8 @@ def test_bad_model_paths(tmp_path):
         LLM(model=str(junk))
     with pytest.raises(ValueError, match="unknown engine option"):
         LLM(no_such_option=1)
+
+
+def test_bad_engine_settings_are_clear_errors():
+    with pytest.raises(ValueError, match="scheduling policy must be one of .*, got 'lifo'"):
+        LLM(scheduling_policy="lifo")

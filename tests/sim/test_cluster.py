@@ -192,7 +192,7 @@ def test_a_load_floor_keeps_more_turns_home_and_their_context_cached():
 
 
 def test_bad_scheduling_and_load_settings_are_clear_errors():
-    with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'"):
+    with pytest.raises(ValueError, match="scheduling policy must be one of .*, got 'lifo'"):
         config(scheduling_policy="lifo")
     with pytest.raises(ValueError, match="load_factor and load_floor must be >= 1"):
         config(load_floor=0)

@@ -27,6 +27,13 @@ from splitserve.engine.tiering import Admission, Tiering
 SCHEDULING_POLICIES = ("fcfs", "shortest-prefill")
 
 
+def check_scheduling_policy(policy: str) -> None:
+    """Raise ``ValueError`` unless ``policy`` is one of ``SCHEDULING_POLICIES``."""
+    if policy not in SCHEDULING_POLICIES:
+        known = ", ".join(SCHEDULING_POLICIES)
+        raise ValueError(f"scheduling policy must be one of {known}, got {policy!r}")
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
@@ -39,9 +46,7 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_overtakes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.policy not in SCHEDULING_POLICIES:
-            known = ", ".join(SCHEDULING_POLICIES)
-            raise ValueError(f"scheduling policy must be one of {known}, got {self.policy!r}")
+        check_scheduling_policy(self.policy)
 
 
 class SequenceUpdate(NamedTuple):

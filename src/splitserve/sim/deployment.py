@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.engine.scheduler import SCHEDULING_POLICIES
+from splitserve.engine.scheduler import check_scheduling_policy
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
 from splitserve.router.policies import POLICIES, make_policy
 from splitserve.router.policies.base import RoutingPolicy
@@ -77,9 +77,7 @@ class SimConfig:
             if getattr(self, name) not in POLICIES:
                 known = ", ".join(sorted(POLICIES))
                 raise ValueError(f"unknown routing policy {getattr(self, name)!r}; use {known}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            known = ", ".join(SCHEDULING_POLICIES)
-            raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}; use {known}")
+        check_scheduling_policy(self.scheduling_policy)
         if self.load_factor < 1.0 or self.load_floor < 1:
             raise ValueError("load_factor and load_floor must be >= 1")
         if self.block_size < 1 or self.max_num_seqs < 1:
