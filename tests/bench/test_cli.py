@@ -50,6 +50,7 @@ def test_loads():
         ),
         (["compare", "--rate", "1", "--deployments", "collocated-rr,warp"], "unknown deployment"),
         (["compare", "--rate", "1", "--deployments", "disagg", "--cores", "1"], "two workers"),
+        (["compare", "--rate", "1", "--repeats", "0"], "--repeats must be >= 1"),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, message, capsys):

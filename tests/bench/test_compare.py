@@ -36,3 +36,21 @@ def test_compare_runs_a_disaggregated_deployment(tmp_path, capsys):
     assert "goodput req/s" in printed and "(1.00x)" in printed and "turns moved %" in printed
     assert md.read_text().startswith("| deployment | load | goodput req/s")
     assert set(psutil.Process().children(recursive=True)) <= before
+
+
+def test_repeats_interleave_the_deployments_and_add_a_table_of_means(tmp_path, capsys):
+    md, out = tmp_path / "table.md", tmp_path / "runs.json"
+    argv = ["bench", "compare", "--deployments", "collocated-rr", "--cores", "1", *TINY_AGENTIC]
+    assert main([*argv, "--repeats", "2", "--markdown", str(md), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    runs = json.loads(out.read_text())
+    assert [r["repeat"] for r in runs] == [1, 2]
+    assert {r["deployment"] for r in runs} == {"collocated-rr"}
+    # The same seed both times: the same sessions, so the same requests.
+    assert runs[0]["summary"]["completed"] == runs[1]["summary"]["completed"] >= 2
+    assert "rate 2/s, 1 s, run 1" in printed and "rate 2/s, 1 s, run 2" in printed
+    per_run, means = md.read_text().split("\n\n")
+    assert per_run.count("| collocated-rr |") == 2
+    assert means.startswith("| deployment | load | runs | goodput mean req/s | min | max |")
+    (row,) = means.splitlines()[2:]
+    assert row.startswith("| collocated-rr | rate 2/s, 1 s | 2 |") and "| 1.00x |" in row

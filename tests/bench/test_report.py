@@ -6,7 +6,16 @@ import json
 
 from splitserve.bench.load import RunResult
 from splitserve.bench.metrics import SLO, RequestRecord, summarize
-from splitserve.bench.report import markdown_table, plot, rows, run_dict, text_table, write_json
+from splitserve.bench.report import (
+    MEAN_HEADERS,
+    markdown_table,
+    mean_rows,
+    plot,
+    rows,
+    run_dict,
+    text_table,
+    write_json,
+)
 
 
 def _run(ttft: float, n: int, duration: float = 10.0) -> RunResult:
@@ -30,6 +39,23 @@ def test_ratios_are_to_the_first_deployment_at_the_same_load():
     assert text_table(table).splitlines()[0].startswith("deployment  load")
     md = markdown_table(table).splitlines()
     assert md[1].count("---") == len(table[0]) and md[4].startswith("| fast | rate 1/s | 3 (3.00x)")
+
+
+def test_means_over_repeats_and_the_ratio_of_means():
+    # Goodput is requests within the SLO per second of a 10 s run: 10, 30 -> 1, 3 req/s.
+    groups = [
+        ("base", "rate 1/s", [_run(0.1, 10).summary, _run(0.1, 30).summary]),
+        ("tiered", "rate 1/s", [_run(0.1, 50).summary, _run(0.1, 70).summary]),
+        ("late", "rate 1/s", [_run(0.9, 50).summary, _run(0.1, 50).summary]),
+    ]
+    table = mean_rows(groups)
+    assert table[0][:7] == ["base", "rate 1/s", "2", "2", "1", "3", "1.00x"]
+    assert table[1][:7] == ["tiered", "rate 1/s", "2", "6", "5", "7", "3.00x"]
+    # One run of two misses the TTFT objective: mean 2.5 of 0 and 5, attainment 50%.
+    assert table[2][3:7] == ["2.5", "0", "5", "1.25x"]
+    assert table[2][MEAN_HEADERS.index("SLO att. % mean")] == "50"
+    assert table[2][MEAN_HEADERS.index("TTFT p50 ms mean")] == "500"
+    assert len(table[0]) == len(MEAN_HEADERS)
 
 
 def test_json_is_strict_and_plots_are_written(tmp_path):

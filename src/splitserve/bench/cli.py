@@ -167,12 +167,20 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_outputs(args: argparse.Namespace, series: dict[str, list[tuple[Load, RunResult]]]):
-    """``--json`` and ``--plot`` for runs grouped by deployment."""
+def write_outputs(
+    args: argparse.Namespace,
+    series: dict[str, list[tuple[Load, RunResult]]],
+    *more: dict[str, list[tuple[Load, RunResult]]],
+):
+    """``--json`` and ``--plot`` for runs grouped by deployment. ``more``: the same runs
+    repeated (``bench compare --repeats``); the JSON then labels each run with its repeat
+    (from 1) and the plot draws the first."""
     if args.json:
+        labels = [{}] if not more else [{"repeat": k} for k in range(1, len(more) + 2)]
         payload = [
-            run_dict(run, deployment=name, load=load.describe(), rate=offered(load))
-            for name, runs in series.items()
+            run_dict(run, deployment=name, load=load.describe(), rate=offered(load), **label)
+            for label, one in zip(labels, (series, *more), strict=True)
+            for name, runs in one.items()
             for load, run in runs
         ]
         write_json(args.json, payload)

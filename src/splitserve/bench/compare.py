@@ -7,6 +7,11 @@ at a time through every load of the sweep; each load replays its own seed (seed 
 run finds an earlier one's conversations cached. The table puts every figure next to its
 ratio to the first deployment at the same load.
 
+``--repeats N`` runs the whole list N times over, interleaved (A, B, A, B, ...), each time
+with the same seeds: a shared machine's noise then falls on every deployment alike, and a
+second table gives each deployment's mean, min and max over the repeats with the ratio of
+its mean to the baseline's mean.
+
 Deployments are data: adding one is one entry in ``DEPLOYMENTS``.
 """
 
@@ -23,8 +28,8 @@ from pathlib import Path
 
 from splitserve.bench.client import Endpoint
 from splitserve.bench.load import Load, RunResult, run_load
-from splitserve.bench.metrics import SLO
-from splitserve.bench.report import markdown_table, rows, text_table
+from splitserve.bench.metrics import SLO, Summary
+from splitserve.bench.report import MEAN_HEADERS, markdown_table, mean_rows, rows, text_table
 from splitserve.cluster.local import LocalDeployment, WorkerProcess, free_port
 
 
@@ -99,6 +104,13 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="one more `splitserve serve` argument for every deployment (repeatable)",
     )
+    g.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the deployments N times, interleaved, and add a table of their means",
+    )
     g.add_argument("--ready-timeout", type=float, default=300.0)
 
 
@@ -135,18 +147,24 @@ class Running:
         self.group.stop(timeout=30.0)
 
 
-def compare(args: argparse.Namespace, workload, loads: list[Load], slo: SLO):
-    """Every deployment through every load; returns {deployment: [(load, run)]}."""
+Series = dict[str, list[tuple[Load, RunResult]]]  # deployment -> [(load, run)]
+
+
+def compare(args: argparse.Namespace, workload, loads: list[Load], slo: SLO) -> list[Series]:
+    """Every deployment through every load, ``args.repeats`` times over; one series per
+    repeat."""
     deps = parse_deployments(args.deployments)
     if args.cores % args.threads_per_worker:
         raise ValueError("--cores must be a multiple of --threads-per-worker")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     workers = args.cores // args.threads_per_worker
-    series: dict[str, list[tuple[Load, RunResult]]] = {}
     for dep in deps:
         dep.pools(workers)  # fail fast on a deployment that cannot be built
-    for dep in deps:
-        series[dep.name] = _sweep_one(args, dep, workers, workload, loads, slo)
-    return series
+    return [
+        {dep.name: _sweep_one(args, dep, workers, workload, loads, slo) for dep in deps}
+        for _ in range(args.repeats)
+    ]
 
 
 def _sweep_one(args, dep: Deployment, workers: int, workload, loads: list[Load], slo: SLO):
@@ -176,12 +194,35 @@ def run_compare(args: argparse.Namespace) -> int:
     workload, loads = workload_from_args(args), loads_from_args(args)
     slo = SLO.parse(args.slo, args.session_slo)
     print(f"{workload.describe()}; SLO {slo.describe()}; {args.cores} cores", flush=True)
-    series = compare(args, workload, loads, slo)
-    runs = [(name, ld.describe(), r.summary) for name, rs in series.items() for ld, r in rs]
-    table = rows(runs, ratios=True)
-    print(text_table(table))
+    repeats = compare(args, workload, loads, slo)
+    runs = [
+        (name, _label(ld, k, len(repeats)), r.summary)
+        for k, series in enumerate(repeats, 1)
+        for name, rs in series.items()
+        for ld, r in rs
+    ]
+    tables = [text_table(rows(runs, ratios=True))]
+    markdown = [markdown_table(rows(runs, ratios=True))]
+    if len(repeats) > 1:
+        means = mean_rows(_over_repeats(repeats))
+        tables.append(text_table(means, MEAN_HEADERS))
+        markdown.append(markdown_table(means, MEAN_HEADERS))
+    print("\n\n".join(tables))
     if args.markdown:
-        Path(args.markdown).write_text(markdown_table(table) + "\n")
+        Path(args.markdown).write_text("\n\n".join(markdown) + "\n")
         print(f"wrote {args.markdown}", file=sys.stderr)
-    write_outputs(args, series)
+    write_outputs(args, *repeats)
     return 0
+
+
+def _label(load: Load, k: int, repeats: int) -> str:
+    return load.describe() if repeats == 1 else f"{load.describe()}, run {k}"
+
+
+def _over_repeats(repeats: list[Series]) -> list[tuple[str, str, list[Summary]]]:
+    """(deployment, load, its summaries over the repeats), in the first repeat's order."""
+    return [
+        (name, load.describe(), [series[name][i][1].summary for series in repeats])
+        for name, runs in repeats[0].items()
+        for i, (load, _) in enumerate(runs)
+    ]

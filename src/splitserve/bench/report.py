@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,39 @@ def rows(runs: Sequence[tuple[str, str, Summary]], ratios: bool = False) -> list
 
 
 HEADERS = ["deployment", "load", *(name for name, _, _ in FIGURES), "failed"]
+
+
+# Figures averaged over a comparison's repeats, after the goodput columns.
+MEAN_FIGURES = ["session goodput /s", "SLO att. %", "TTFT p50 ms", "turns moved %"]
+MEAN_HEADERS = [
+    "deployment",
+    "load",
+    "runs",
+    "goodput mean req/s",
+    "min",
+    "max",
+    "ratio of means",
+    *(f"{name} mean" for name in MEAN_FIGURES),
+]
+
+
+def mean_rows(groups: Sequence[tuple[str, str, Sequence[Summary]]]) -> list[list[str]]:
+    """``groups``: (deployment, load, its summaries over repeated runs). One row each: mean,
+    min and max goodput, the ratio of its mean to the first deployment's mean at the same
+    load, and the means of ``MEAN_FIGURES``."""
+    figures = {name: fig for name, fig, _ in FIGURES}
+    base: dict[str, float] = {}
+    out = []
+    for dep, load, summaries in groups:
+        goodput = [s.request_goodput for s in summaries]
+        mean = statistics.fmean(goodput)
+        first = base.setdefault(load, mean)
+        ratio = f"{mean / first:.2f}x" if first > 0 else "-"
+        row = [dep, load, str(len(summaries)), _fmt(mean), _fmt(min(goodput)), _fmt(max(goodput))]
+        row.append(ratio)
+        row += [_fmt(statistics.fmean(figures[n](s) for s in summaries)) for n in MEAN_FIGURES]
+        out.append(row)
+    return out
 
 
 def text_table(table: list[list[str]], headers: Sequence[str] = HEADERS) -> str:
