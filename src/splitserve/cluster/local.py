@@ -158,6 +158,7 @@ class Topology:
     decode: int = 0
     threads_per_worker: int | None = None
     kv_transport: str = "tcp"
+    kv_peer: bool = False  # decode workers lend each other sessions' KV (worker.peer)
     router_args: Sequence[str] = ()
 
     def __post_init__(self) -> None:
@@ -165,6 +166,14 @@ class Topology:
             raise ValueError("--prefill and --decode must be >= 0")
         if self.prefill and not self.decode:
             raise ValueError("prefill workers need at least one decode worker (--decode M)")
+        if self.kv_peer and not self.decode:
+            raise ValueError("--kv-peer-fetch needs decode workers behind the router (--decode M)")
+
+    def role_args(self, role: str) -> list[str]:
+        """Flags only the workers of ``role`` get."""
+        if role == "prefill":
+            return ["--kv-transport", self.kv_transport]
+        return ["--kv-peer"] if self.kv_peer else []
 
     @property
     def disaggregated(self) -> bool:
@@ -230,8 +239,7 @@ def _pools(
     for role, count in (("prefill", topology.prefill), ("decode", topology.decode)):
         for i in range(count):
             wport = free_port(host)
-            args = extra + (["--kv-transport", topology.kv_transport] if role == "prefill" else [])
-            args = own_disk_dir(args, f"{role}-{i}")
+            args = own_disk_dir(extra + topology.role_args(role), f"{role}-{i}")
             argv = worker_argv(host, wport, model, args, role=role)
             workers.append(WorkerProcess(f"{role}-{i}", argv, f"http://{host}:{wport}", env))
     urls = {

@@ -159,6 +159,17 @@ class LLMEngine:
     def release_blocks(self, block_ids: list[int]) -> None:
         self.block_manager.release(block_ids)
 
+    def lease_prefix(self, token_ids: list[int], salt: str = "") -> KeptBlocks | None:
+        """Take one reference on each block of the leading run of this prompt's reusable
+        blocks that the device pool holds (tokens checked), so that a peer can read them:
+        they are neither evicted nor reused until ``release_blocks``. None if none is held."""
+        usable = self.block_manager.reusable_blocks(len(token_ids))
+        hashes = self.block_hashes(token_ids[: usable * self.config.block_size], salt)
+        block_ids = self.block_manager.take_cached(hashes, token_ids)
+        if not block_ids:
+            return None
+        return KeptBlocks(block_ids, hashes[: len(block_ids)])
+
     def prefetch(self, token_ids: list[int], salt: str = "") -> int:
         """Start promoting this prompt's prefix from lower tiers (a hint that it is coming);
         returns how many blocks are on their way up."""
