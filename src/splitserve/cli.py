@@ -7,6 +7,7 @@ import os
 import sys
 
 from splitserve.bench.cli import add_bench_parser
+from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S as DEFAULT_PEER_TIMEOUT_S
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SCHEDULING_POLICIES
 from splitserve.router.cli import add_router_parser
@@ -269,9 +270,10 @@ def _add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-peer-timeout",
         type=float,
-        default=1.0,
+        default=DEFAULT_PEER_TIMEOUT_S,
         metavar="SECONDS",
-        help="how long to wait for a peer's lease answer before computing locally",
+        help="how long to wait for a peer's lease answer before computing locally "
+        f"(default {DEFAULT_PEER_TIMEOUT_S:g})",
     )
     p.add_argument("--kv-test-fault", default=None, help=argparse.SUPPRESS)
 
@@ -290,6 +292,7 @@ def serve_topology(args: argparse.Namespace):
         threads_per_worker=args.threads_per_worker,
         kv_transport=args.kv_transport,
         kv_peer=args.kv_peer_fetch,
+        kv_peer_timeout_s=args.kv_peer_timeout,
         router_args=[
             *("--remote-prefill-threshold", str(args.remote_prefill_threshold)),
             *("--policy", args.policy),
@@ -423,6 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a session turn the router moves off its busy home worker pulls the session's "
         "KV from the home instead of recomputing it (docs/router.md)",
+    )
+    serve.add_argument(
+        "--kv-peer-timeout",
+        type=float,
+        default=DEFAULT_PEER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="with --kv-peer-fetch: how long a worker waits for the home's lease answer "
+        f"before computing locally (default {DEFAULT_PEER_TIMEOUT_S:g})",
     )
     serve.add_argument(
         "--ready-timeout",

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S
+
 POLL_S = 0.2
 
 
@@ -159,6 +161,7 @@ class Topology:
     threads_per_worker: int | None = None
     kv_transport: str = "tcp"
     kv_peer: bool = False  # decode workers lend each other sessions' KV (worker.peer)
+    kv_peer_timeout_s: float = DEFAULT_KV_PEER_TIMEOUT_S
     router_args: Sequence[str] = ()
 
     def __post_init__(self) -> None:
@@ -168,12 +171,16 @@ class Topology:
             raise ValueError("prefill workers need at least one decode worker (--decode M)")
         if self.kv_peer and not self.decode:
             raise ValueError("--kv-peer-fetch needs decode workers behind the router (--decode M)")
+        if not self.kv_peer_timeout_s > 0:
+            raise ValueError(f"--kv-peer-timeout must be > 0, got {self.kv_peer_timeout_s}")
 
     def role_args(self, role: str) -> list[str]:
         """Flags only the workers of ``role`` get."""
         if role == "prefill":
             return ["--kv-transport", self.kv_transport]
-        return ["--kv-peer"] if self.kv_peer else []
+        if not self.kv_peer:
+            return []
+        return ["--kv-peer", "--kv-peer-timeout", str(self.kv_peer_timeout_s)]
 
     @property
     def disaggregated(self) -> bool:

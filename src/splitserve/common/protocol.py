@@ -26,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # A worker is collocated ("both"), or one half of a disaggregated deployment.
 WORKER_ROLES = ("both", "prefill", "decode")
+# How long a worker pulling a moved turn's KV (``kv_peer``) waits for the home's lease.
+DEFAULT_KV_PEER_TIMEOUT_S = 1.0
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 

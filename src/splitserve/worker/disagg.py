@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from splitserve.common.protocol import WORKER_ROLES
+from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S, WORKER_ROLES
 from splitserve.engine.outputs import KeptBlocks
 from splitserve.transfer import (
     FaultInjection,
@@ -63,7 +63,7 @@ class DisaggConfig:
     # Peer KV fetch (worker.peer): lend this worker's cached KV to peers and pull a moved
     # session's KV from its home worker when a request names one (``kv_peer``).
     peer: bool = False
-    peer_timeout_s: float = 1.0
+    peer_timeout_s: float = DEFAULT_KV_PEER_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
