@@ -113,9 +113,11 @@ class DisaggConfig:
 
 
 class EngineCalls(Protocol):
-    """Running code on the engine thread, the only one allowed to touch the engine."""
+    """Running code on the engine thread, the only one allowed to touch the engine, or
+    (``call_now``) under the engine's lock, between two of its model runs."""
 
     async def call(self, fn: Callable[[Any], T]) -> T: ...
+    async def call_now(self, fn: Callable[[Any], T]) -> T: ...
     def submit(self, fn: Callable[[Any], object]) -> None: ...
 
 
@@ -248,7 +250,7 @@ class DecodeSide:
     async def local_blocks(self, prompt: list[int], salt: str = "") -> int:
         """Leading blocks of the prompt held here, in the pool or one tier down; the ones
         below start their way up now and arrive while the rest crosses the wire."""
-        held, loading = await self.calls.call(lambda e: e.local_prefix(prompt, salt))
+        held, loading = await self.calls.call_now(lambda e: e.local_prefix(prompt, salt))
         self.metrics.kv_local_tier_blocks.inc(loading)
         return held + loading
 
@@ -272,7 +274,7 @@ class DecodeSide:
         if plan.num_blocks == 0:  # everything usable is held here already
             await self._release_remote(remote)
             return ImportResult(remote=False)
-        dest = await self.calls.call(lambda e: e.reserve_blocks(plan.num_blocks))
+        dest = await self.calls.call_now(lambda e: e.reserve_blocks(plan.num_blocks))
         if dest is None:
             await self._release_remote(remote)
             return ImportResult(remote=False, fallback="no_free_blocks")
@@ -280,11 +282,11 @@ class DecodeSide:
         try:
             pulled = await asyncio.to_thread(client.pull, plan, self.sink, dest)
         except BaseException:
-            await self.calls.call(lambda e: e.release_blocks(dest))
+            await self.calls.call_now(lambda e: e.release_blocks(dest))
             raise
         start = plan.load_indices[0]
         loaded = hashes[start : start + plan.num_blocks]
-        await self.calls.call(lambda e: e.register_blocks(dest, loaded, prompt, start))
+        await self.calls.call_now(lambda e: e.register_blocks(dest, loaded, prompt, start))
         self.metrics.kv_blocks_received.inc(pulled.num_blocks)
         self.metrics.kv_bytes_received.inc(pulled.nbytes)
         self.metrics.kv_transfer_seconds.observe(pulled.seconds)

@@ -8,7 +8,7 @@ KV data plane prefill workers use::
 
     worker B (chosen)                                  worker A (home, busy)
     local_blocks(prompt) ── holds all it could use? ──▶ done, compute as usual
-    POST A/v1/kv/lease {prompt_token_ids} ───────────▶ engine thread: leading cached run,
+    POST A/v1/kv/lease {prompt_token_ids} ───────────▶ engine lock: leading cached run,
                                                         one ref each, lease (short TTL)
     ◀──────────────────────────── kv_transfer_params (or "nothing held")
     DecodeSide.pull ════ KV data plane (tcp/shm) ════▶ KV server reads the leased blocks
@@ -78,14 +78,15 @@ class PeerKV:
     async def lease(self, prompt: list[int]) -> dict[str, Any]:
         """The ``POST /v1/kv/lease`` answer for ``prompt``: the leased blocks'
         ``kv_transfer_params``, or none when the device pool holds none of its blocks."""
-        params = await self.calls.call(lambda engine: self._lease_on_engine(engine, prompt))
+        params = await self.calls.call_now(lambda engine: self._lease_on_engine(engine, prompt))
         blocks = 0 if params is None else len(params["block_hashes"])
         self.metrics.kv_peer_leases.labels("granted" if params else "empty").inc()
         return {"object": "kv.lease", "blocks": blocks, "kv_transfer_params": params}
 
     def _lease_on_engine(self, engine: Any, prompt: list[int]) -> dict[str, Any] | None:
-        # Refs and lease are taken together on the engine thread: a caller that goes away
-        # meanwhile leaves a lease that expires, never a reference nobody drops.
+        # Refs and lease are taken together under the engine's lock (between two model runs,
+        # so a busy home answers in milliseconds): a caller that goes away meanwhile leaves
+        # a lease that expires, never a reference nobody drops.
         kept = engine.lease_prefix(prompt)
         if kept is None:
             return None
