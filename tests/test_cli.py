@@ -91,3 +91,35 @@ def test_serve_passes_its_router_flags_to_the_router():
     assert router_args[router_args.index("--load-floor") + 1] == "3"
     router = build_parser().parse_args(["router", "--decode", "http://127.0.0.1:1", *router_args])
     assert router.load_factor == 2.0 and router.load_floor == 3 and router.policy == "session"
+
+
+def test_kv_peer_flags_fail_clearly_before_loading(monkeypatch, capsys):
+    from splitserve.cli import main
+
+    monkeypatch.delenv("SPLITSERVE_KV_SECRET", raising=False)
+    assert main(["worker", "--kv-peer"]) == 2
+    assert "--kv-peer needs the cluster secret" in capsys.readouterr().err
+    monkeypatch.setenv("SPLITSERVE_KV_SECRET", "s")
+    assert main(["worker", "--kv-peer", "--role", "prefill"]) == 2
+    assert "role both or decode" in capsys.readouterr().err
+    assert main(["worker", "--kv-peer", "--kv-peer-timeout", "0"]) == 2
+    assert "--kv-peer-timeout must be > 0" in capsys.readouterr().err
+    assert main(["serve", "--kv-peer-fetch"]) == 2
+    assert "--kv-peer-fetch needs decode workers" in capsys.readouterr().err
+    assert main(["serve", "--decode", "2", "--kv-peer-fetch", "--kv-peer-timeout", "-1"]) == 2
+    assert "--kv-peer-timeout must be > 0" in capsys.readouterr().err
+
+
+def test_serve_kv_peer_fetch_reaches_the_router_and_the_decode_workers():
+    from splitserve.cli import build_parser, serve_topology
+
+    argv = ["serve", "--prefill", "1", "--decode", "2", "--kv-peer-fetch"]
+    argv += ["--kv-peer-timeout", "0.25"]
+    topology = serve_topology(build_parser().parse_args(argv))
+    router = build_parser().parse_args(["router", "--decode", "http://h:1", *topology.router_args])
+    assert router.kv_peer_fetch
+    decode = build_parser().parse_args(["worker", *topology.role_args("decode")])
+    assert decode.kv_peer and decode.kv_peer_timeout == 0.25
+    assert "--kv-peer" not in topology.role_args("prefill")
+    plain = serve_topology(build_parser().parse_args(["serve", "--decode", "2"]))
+    assert "--kv-peer-fetch" not in plain.router_args and plain.role_args("decode") == []

@@ -7,6 +7,7 @@ import os
 import sys
 
 from splitserve.bench.cli import add_bench_parser
+from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S as DEFAULT_PEER_TIMEOUT_S
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SCHEDULING_POLICIES
 from splitserve.router.cli import add_router_parser
@@ -209,6 +210,8 @@ def _disagg_config(args: argparse.Namespace):
         lease_ttl_s=args.kv_lease_ttl,
         failure_policy=args.kv_load_failure_policy,
         fault=args.kv_test_fault,
+        peer=args.kv_peer,
+        peer_timeout_s=args.kv_peer_timeout,
     )
 
 
@@ -258,6 +261,20 @@ def _add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
         choices=["recompute", "fail"],
         help="when a KV pull fails: prefill locally (default) or fail the request",
     )
+    p.add_argument(
+        "--kv-peer",
+        action="store_true",
+        help="peer KV fetch: lend cached KV to other workers (POST /v1/kv/lease) and pull a "
+        "moved session's KV from the home worker a request names (kv_peer); needs the secret",
+    )
+    p.add_argument(
+        "--kv-peer-timeout",
+        type=float,
+        default=DEFAULT_PEER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long to wait for a peer's lease answer before computing locally "
+        f"(default {DEFAULT_PEER_TIMEOUT_S:g})",
+    )
     p.add_argument("--kv-test-fault", default=None, help=argparse.SUPPRESS)
 
 
@@ -274,11 +291,14 @@ def serve_topology(args: argparse.Namespace):
         decode=args.decode,
         threads_per_worker=args.threads_per_worker,
         kv_transport=args.kv_transport,
+        kv_peer=args.kv_peer_fetch,
+        kv_peer_timeout_s=args.kv_peer_timeout,
         router_args=[
             *("--remote-prefill-threshold", str(args.remote_prefill_threshold)),
             *("--policy", args.policy),
             *("--load-factor", str(args.load_factor)),
             *("--load-floor", str(args.load_floor)),
+            *(["--kv-peer-fetch"] if args.kv_peer_fetch else []),
         ],
     )
 
@@ -400,6 +420,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="session policy: a session's home worker counts as full only from N requests "
         f"in flight, whatever C gives (default {DEFAULT_LOAD_FLOOR})",
+    )
+    serve.add_argument(
+        "--kv-peer-fetch",
+        action="store_true",
+        help="a session turn the router moves off its busy home worker pulls the session's "
+        "KV from the home instead of recomputing it (docs/router.md)",
+    )
+    serve.add_argument(
+        "--kv-peer-timeout",
+        type=float,
+        default=DEFAULT_PEER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="with --kv-peer-fetch: how long a worker waits for the home's lease answer "
+        f"before computing locally (default {DEFAULT_PEER_TIMEOUT_S:g})",
     )
     serve.add_argument(
         "--ready-timeout",

@@ -94,3 +94,7 @@ def test_every_deployment_is_a_valid_serve_command():
         serve_argv(DEPLOYMENTS["collocated-session-tiers-sjf"], 2, 1, 8123)[3:]
     )
     assert "shortest-prefill" in serve_worker_args(sjf) and sjf.host_kv_gb == 2.0
+    peer = build_parser().parse_args(
+        serve_argv(DEPLOYMENTS["collocated-session-tiers-peer"], 2, 1, 8123)[3:]
+    )
+    assert peer.kv_peer_fetch and peer.host_kv_gb == 2.0 and peer.policy == "session"

@@ -181,3 +181,16 @@ def test_metrics_count_tokens_latencies_and_errors():
             assert line in text, line
 
     run_app(FakeEngine(), test)
+
+
+def test_a_worker_without_kv_peer_ignores_the_hint_and_lends_nothing():
+    async def test(client: httpx.AsyncClient) -> None:
+        hinted = completion(kv_peer="http://127.0.0.1:9")
+        r = await client.post("/v1/completions", json=hinted)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "abc"
+        r = await client.post("/v1/completions", json=completion(kv_peer="127.0.0.1:9"))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_peer"
+        r = await client.post("/v1/kv/lease", json={"prompt_token_ids": [1, 2, 3]})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "kv_peer_disabled"
+
+    run_app(FakeEngine(), test)

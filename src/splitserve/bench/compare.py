@@ -70,6 +70,13 @@ DEPLOYMENTS = {
             "collocated, session affinity, 2 GB host-RAM KV tier per worker",
         ),
         Deployment(
+            "collocated-session-tiers-peer",
+            False,
+            (*SESSION_TIERS, "--kv-peer-fetch"),
+            "collocated-session-tiers, a turn moved off its busy home pulls the session's KV "
+            "from the home",
+        ),
+        Deployment(
             "collocated-session-tiers-sjf",
             False,
             (*SESSION_TIERS, "--scheduling-policy", "shortest-prefill"),

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S
+
 POLL_S = 0.2
 
 
@@ -158,6 +160,8 @@ class Topology:
     decode: int = 0
     threads_per_worker: int | None = None
     kv_transport: str = "tcp"
+    kv_peer: bool = False  # decode workers lend each other sessions' KV (worker.peer)
+    kv_peer_timeout_s: float = DEFAULT_KV_PEER_TIMEOUT_S
     router_args: Sequence[str] = ()
 
     def __post_init__(self) -> None:
@@ -165,6 +169,18 @@ class Topology:
             raise ValueError("--prefill and --decode must be >= 0")
         if self.prefill and not self.decode:
             raise ValueError("prefill workers need at least one decode worker (--decode M)")
+        if self.kv_peer and not self.decode:
+            raise ValueError("--kv-peer-fetch needs decode workers behind the router (--decode M)")
+        if not self.kv_peer_timeout_s > 0:
+            raise ValueError(f"--kv-peer-timeout must be > 0, got {self.kv_peer_timeout_s}")
+
+    def role_args(self, role: str) -> list[str]:
+        """Flags only the workers of ``role`` get."""
+        if role == "prefill":
+            return ["--kv-transport", self.kv_transport]
+        if not self.kv_peer:
+            return []
+        return ["--kv-peer", "--kv-peer-timeout", str(self.kv_peer_timeout_s)]
 
     @property
     def disaggregated(self) -> bool:
@@ -230,8 +246,7 @@ def _pools(
     for role, count in (("prefill", topology.prefill), ("decode", topology.decode)):
         for i in range(count):
             wport = free_port(host)
-            args = extra + (["--kv-transport", topology.kv_transport] if role == "prefill" else [])
-            args = own_disk_dir(args, f"{role}-{i}")
+            args = own_disk_dir(extra + topology.role_args(role), f"{role}-{i}")
             argv = worker_argv(host, wport, model, args, role=role)
             workers.append(WorkerProcess(f"{role}-{i}", argv, f"http://{host}:{wport}", env))
     urls = {

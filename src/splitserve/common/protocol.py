@@ -11,7 +11,9 @@ splitserve's extensions to the OpenAI schema, with vLLM's names: ``top_k``, ``ig
 ``kv_retention`` (``{"ttl_s": N}``: keep the conversation's KV pinned for N seconds) and
 ``return_token_ids``: responses then carry ``prompt_token_ids`` (top level; in a stream, on
 the first chunk) and each choice its generated ``token_ids`` (in a stream, that chunk's). The
-router uses them to resume a stream on another worker when its worker dies.
+router uses them to resume a stream on another worker when its worker dies. ``kv_peer`` (the
+router's, not a client's: the base URL of the session's home worker) asks the worker to pull
+the conversation's KV from there before computing it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # A worker is collocated ("both"), or one half of a disaggregated deployment.
 WORKER_ROLES = ("both", "prefill", "decode")
+# How long a worker pulling a moved turn's KV (``kv_peer``) waits for the home's lease.
+DEFAULT_KV_PEER_TIMEOUT_S = 1.0
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -91,6 +95,7 @@ class _SamplingFields(_Request):
     kv_transfer_params: dict[str, Any] | None = None
     return_token_ids: bool = False
     kv_retention: KVRetention | None = None
+    kv_peer: str | None = None  # set by the router: the session's home worker (worker.peer)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -115,7 +120,8 @@ class CompletionRequest(_SamplingFields):
 
 class KVPrefetchRequest(_Request):
     """``POST /v1/kv/prefetch``: a prompt is coming, promote its cached KV now. Name it by
-    token ids, or send the chat or completion request body itself (what the router does)."""
+    token ids, or send the chat or completion request body itself (what the router does).
+    ``POST /v1/kv/lease`` (a peer asking for a prompt's cached KV) takes the same body."""
 
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None

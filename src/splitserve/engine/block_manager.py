@@ -237,6 +237,13 @@ class BlockManager:
             block_ids.append(block_id)
         return block_ids
 
+    def take_cached(self, hashes: list[BlockHash], token_ids: list[int]) -> list[int]:
+        """The blocks holding the leading cached part of a chain, each with one reference
+        more (a lease to a peer reading them: neither evicted nor reused until ``release``)."""
+        block_ids = self.cached_blocks(hashes, token_ids)
+        self._take(block_ids)
+        return block_ids
+
     def reserve(self, num_blocks: int) -> list[int] | None:
         """Take ``num_blocks`` free blocks (evicting LRU cached ones) to be filled from outside,
         or ``None`` if there are not enough. Each comes back with ``register`` or ``release``."""

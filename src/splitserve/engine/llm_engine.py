@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -76,6 +77,11 @@ class LLMEngine:
         )
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self._requests: dict[str, _Request] = {}
+        # Guards every piece of engine state but the model runner's own. ``step`` holds it
+        # except while the model runs, so another thread that takes it (a peer's KV lease,
+        # a KV import) waits for bookkeeping between two model runs, never for a model run.
+        # Whoever drives the engine takes it for anything else it calls (AsyncEngine does).
+        self.lock = threading.RLock()
 
     def _max_model_len(self) -> int:
         pool_tokens = self.runner.num_blocks * self.config.block_size
@@ -159,6 +165,17 @@ class LLMEngine:
     def release_blocks(self, block_ids: list[int]) -> None:
         self.block_manager.release(block_ids)
 
+    def lease_prefix(self, token_ids: list[int], salt: str = "") -> KeptBlocks | None:
+        """Take one reference on each block of the leading run of this prompt's reusable
+        blocks that the device pool holds (tokens checked), so that a peer can read them:
+        they are neither evicted nor reused until ``release_blocks``. None if none is held."""
+        usable = self.block_manager.reusable_blocks(len(token_ids))
+        hashes = self.block_hashes(token_ids[: usable * self.config.block_size], salt)
+        block_ids = self.block_manager.take_cached(hashes, token_ids)
+        if not block_ids:
+            return None
+        return KeptBlocks(block_ids, hashes[: len(block_ids)])
+
     def prefetch(self, token_ids: list[int], salt: str = "") -> int:
         """Start promoting this prompt's prefix from lower tiers (a hint that it is coming);
         returns how many blocks are on their way up."""
@@ -224,17 +241,23 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for every request that produced a token."""
-        self.housekeeping()
-        plan = self.scheduler.schedule()
-        self._start_copies()
+        with self.lock:
+            self.housekeeping()
+            plan = self.scheduler.schedule()
+            self._start_copies()
+            loading = not plan and self.kv_tiers is not None and self.tiering.busy
         if not plan:
-            if self.kv_tiers is not None and self.tiering.busy:
+            if loading:
                 self.kv_tiers.mover.wait(LOAD_POLL_S)
             return []
+        # Without the lock: the plan's blocks are referenced by its sequences, so whatever
+        # another thread does meanwhile (take refs, reserve or publish free blocks) leaves
+        # them alone, and nothing else the model run reads changes.
         result = self.runner.execute(plan)
-        updates = self.scheduler.update(plan, result)
-        self._start_copies()
-        return [out for u in updates if (out := self._process(u)) is not None]
+        with self.lock:
+            updates = self.scheduler.update(plan, result)
+            self._start_copies()
+            return [out for u in updates if (out := self._process(u)) is not None]
 
     def _process(self, update: SequenceUpdate) -> RequestOutput | None:
         if update.new_token is None:

@@ -89,6 +89,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "KV in its host-RAM/disk tiers is promoted while the request is routed",
     )
     p.add_argument(
+        "--kv-peer-fetch",
+        action="store_true",
+        help="name a session's home worker (kv_peer) in a turn placed elsewhere, so the "
+        "chosen worker pulls the session's KV from it (workers need --kv-peer)",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
 
@@ -113,6 +119,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         disaggregate=args.disaggregate,
         remote_prefill_threshold=args.remote_prefill_threshold,
         prefetch_hints=args.kv_prefetch_hints,
+        kv_peer_fetch=args.kv_peer_fetch,
     )
 
 

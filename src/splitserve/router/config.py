@@ -58,6 +58,9 @@ class RouterConfig:
     # Tell a session's decode worker its next turn is coming (POST /v1/kv/prefetch) so it
     # starts promoting the session's KV from host RAM or disk while the request is routed.
     prefetch_hints: bool = False
+    # Peer KV fetch: a session turn placed off its (healthy) home worker names the home in
+    # the body (``kv_peer``), and the chosen worker pulls the session's KV from there.
+    kv_peer_fetch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("policy", "prefill_policy"):

@@ -60,6 +60,11 @@ class RouterMetrics:
             registry=r,
         )
         self.turns = Counter("splitserve:router_turns", "Turns with a session key", registry=r)
+        self.kv_peer_hints = Counter(
+            "splitserve:router_kv_peer_hints",
+            "Turns placed off their healthy home worker that named it (kv_peer) to pull from",
+            registry=r,
+        )
         self.home_turns = Counter(
             "splitserve:router_home_turns", "Turns served on the session's home worker", registry=r
         )

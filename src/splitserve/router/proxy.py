@@ -48,6 +48,7 @@ DECODE_HEADER = "X-Splitserve-Decode-Worker"
 PREFILL_HEADER = "X-Splitserve-Prefill-Worker"
 _PASSED_RESPONSE_HEADERS = ("content-type", "content-encoding", "cache-control")
 _HINT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+PEER_FIELD = "kv_peer"  # the worker to pull a moved turn's KV from (worker.peer)
 
 
 class WorkerFailed(Exception):
@@ -95,6 +96,7 @@ class Proxy:
         """``POST /v1/chat/completions`` or ``/v1/completions``; ``client_headers`` by
         lower-case name, ``raw`` the request body."""
         body = _json_object(raw)
+        body.pop(PEER_FIELD, None)  # only the router names a peer: workers will call it
         timeline.parsed = now()
         headers = self._forward_headers(client_headers)
         placement = self._place(client_headers, body, timeline)
@@ -109,6 +111,8 @@ class Proxy:
             await self._remote_prefill(path, body, headers, placement, decode)
         if placement.kv_params is not None:
             body = disagg.decode_body(body, placement.kv_params)
+        elif self.config.kv_peer_fetch:
+            body = self._peer_hint(body, decode, placement)
         stream = body.get("stream") is True
         if stream and resumable_request(body):
             log = StreamLog.of(body, chat=path.endswith("/chat/completions"))
@@ -142,6 +146,15 @@ class Proxy:
         task = asyncio.ensure_future(send())
         self._hints.add(task)  # keep a reference until it is done
         task.add_done_callback(self._hints.discard)
+
+    def _peer_hint(self, body: dict[str, Any], decode: Worker, placement: Placement) -> dict:
+        """A turn placed off its session's healthy home names the home, whose KV of the
+        conversation the chosen worker then pulls instead of recomputing it."""
+        home = self.membership.get(placement.home) if placement.home is not None else None
+        if home is None or home.url == decode.url or not home.healthy:
+            return body
+        self.metrics.kv_peer_hints.inc()
+        return {**body, PEER_FIELD: home.url}
 
     async def models(self, client_headers: Mapping[str, str], timeline: Timeline) -> Reply:
         """``GET /v1/models`` from any healthy worker."""

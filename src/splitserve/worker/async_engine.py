@@ -1,9 +1,10 @@
 """The engine on its own thread, and the bridge that lets asyncio handlers talk to it.
 
-``LLMEngine`` is single-threaded: only the engine thread touches it. Handlers send commands
-(add, abort) through a thread-safe queue; the engine thread answers through per-request
-asyncio queues, fed with one ``call_soon_threadsafe`` per engine step (not per token), so a
-step with 32 running streams wakes the event loop once.
+``LLMEngine`` is single-threaded: only the engine thread touches it, or another thread
+holding the engine's lock, which the engine thread holds for everything but its model runs
+(``call_now``). Handlers send commands (add, abort) through a thread-safe queue; the engine
+thread answers through per-request asyncio queues, fed with one ``call_soon_threadsafe`` per
+engine step (not per token), so a step with 32 running streams wakes the event loop once.
 
     handler ──_Add/_Abort──▶ SimpleQueue ──▶ engine thread: drain → step() → publish
        ▲                                                                   │
@@ -13,6 +14,7 @@ step with 32 running streams wakes the event loop once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -138,6 +140,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # set if the engine thread itself died
+        # The engine's lock (``LLMEngine.lock``), if it has one: see ``call_now``.
+        self._lock: Any = getattr(engine, "lock", None)
+        self._locked: Any = self._lock if self._lock is not None else contextlib.nullcontext()
 
     # ---- lifecycle (event loop side) ---------------------------------------------------------
 
@@ -199,6 +204,23 @@ class AsyncEngine:
         self._commands.put(_Call(fn, future))
         return await future
 
+    async def call_now(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(engine)`` on a helper thread under the engine's lock: like ``call``, but
+        waiting only for the engine's bookkeeping between two model runs, not for a model
+        run (a long prefill step). For short work on engine state, never on the model.
+        An engine without a lock gets ``call``."""
+        if not self.alive:
+            raise EngineError("the engine is not running")
+        lock = self._lock
+        if lock is None:
+            return await self.call(fn)
+
+        def run() -> T:
+            with lock:
+                return fn(self.engine)
+
+        return await asyncio.to_thread(run)
+
     def submit(self, fn: Callable[[Any], object]) -> None:
         """Run ``fn(engine)`` on the engine thread, from any thread, without waiting."""
         self._commands.put(_Call(fn))
@@ -228,7 +250,8 @@ class AsyncEngine:
             if cmd is _STOP:
                 self._fail_all(EngineError("the worker is shutting down"))
                 return False
-            self._apply(cmd)
+            with self._locked:
+                self._apply(cmd)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -296,7 +319,8 @@ class AsyncEngine:
         work = getattr(self.engine, "housekeeping", None)
         if work is not None:
             try:
-                work()
+                with self._locked:
+                    work()
             except Exception:
                 log.exception("engine housekeeping failed")
 
@@ -304,7 +328,8 @@ class AsyncEngine:
         streams, self._streams = self._streams, {}
         for request_id in streams:
             try:
-                self.engine.abort_request(request_id)
+                with self._locked:
+                    self.engine.abort_request(request_id)
             except Exception:
                 log.exception("abort of %s failed", request_id)
         self._send([(s, error) for s in streams.values()])

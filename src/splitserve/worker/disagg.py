@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from splitserve.common.protocol import WORKER_ROLES
+from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S, WORKER_ROLES
 from splitserve.engine.outputs import KeptBlocks
 from splitserve.transfer import (
     FaultInjection,
@@ -60,6 +60,10 @@ class DisaggConfig:
     lease_ttl_s: float = 30.0
     failure_policy: str = "recompute"
     fault: str | None = None  # test-only, see transfer.faults
+    # Peer KV fetch (worker.peer): lend this worker's cached KV to peers and pull a moved
+    # session's KV from its home worker when a request names one (``kv_peer``).
+    peer: bool = False
+    peer_timeout_s: float = DEFAULT_KV_PEER_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -73,12 +77,31 @@ class DisaggConfig:
                 "a prefill or decode worker needs the cluster secret "
                 "(--kv-secret-file or SPLITSERVE_KV_SECRET)"
             )
+        self._check_peer()
+
+    def _check_peer(self) -> None:
+        if not self.peer:
+            return
+        if self.role == "prefill":
+            raise ValueError("--kv-peer is for workers that serve sessions (role both or decode)")
+        if not self.secret:
+            raise ValueError(
+                "--kv-peer needs the cluster secret (--kv-secret-file or SPLITSERVE_KV_SECRET)"
+            )
+        if not self.peer_timeout_s > 0:
+            raise ValueError(f"--kv-peer-timeout must be > 0, got {self.peer_timeout_s}")
+
+    @property
+    def serves_kv(self) -> bool:
+        """Whether this worker runs a KV data-plane server: a prefill worker for its decode
+        workers, a collocated one with a secret, any worker lending KV to its peers."""
+        return bool(self.secret) and (self.role != "decode" or self.peer)
 
     @property
     def shares_kv_cache(self) -> bool:
         """Whether this worker's KV cache belongs in shared memory: it serves KV over ``shm``,
         so same-host decode workers copy blocks straight out of it."""
-        return self.transport == "shm" and self.role != "decode" and bool(self.secret)
+        return self.transport == "shm" and self.serves_kv
 
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(
@@ -90,9 +113,11 @@ class DisaggConfig:
 
 
 class EngineCalls(Protocol):
-    """Running code on the engine thread, the only one allowed to touch the engine."""
+    """Running code on the engine thread, the only one allowed to touch the engine, or
+    (``call_now``) under the engine's lock, between two of its model runs."""
 
     async def call(self, fn: Callable[[Any], T]) -> T: ...
+    async def call_now(self, fn: Callable[[Any], T]) -> T: ...
     def submit(self, fn: Callable[[Any], object]) -> None: ...
 
 
@@ -129,10 +154,17 @@ class PrefillSide:
     def stop(self) -> None:
         self.server.stop()
 
-    def grant(self, request_id: str, kept: KeptBlocks, num_prompt_tokens: int) -> dict[str, Any]:
-        """Lease ``kept`` to a decode worker; the ``kv_transfer_params`` to send it."""
+    def grant(
+        self,
+        request_id: str,
+        kept: KeptBlocks,
+        num_prompt_tokens: int,
+        ttl_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Lease ``kept`` to a decode worker (or a peer) for ``ttl_s`` seconds (default: the
+        configured TTL); the ``kv_transfer_params`` to send it."""
         full = kept.block_ids[: len(kept.hashes)]
-        self.leases.grant(request_id, kept.block_ids, kept.hashes)
+        self.leases.grant(request_id, kept.block_ids, kept.hashes, ttl_s)
         self.metrics.kv_leases_granted.inc()
         host, port = self.address
         return build_transfer_params(
@@ -194,10 +226,7 @@ class DecodeSide:
         """Make the prompt's remote KV local. Raises ``ValueError`` on malformed params and
         ``KVLoadFailed`` when the pull fails under the ``fail`` policy."""
         remote = RemoteKV.from_params(params)
-        try:
-            result = await self._import(prompt, remote, salt)
-        except KVTransferError as e:
-            result = ImportResult(remote=False, fallback=e.reason)
+        result = await self.pull(prompt, remote, salt)
         if result.fallback is not None:
             self.metrics.kv_fallbacks.labels(result.fallback).inc()
             log.warning("KV load failed (%s); prefilling locally", result.fallback)
@@ -206,17 +235,36 @@ class DecodeSide:
         self.metrics.prefills.labels("remote" if result.remote else "local").inc()
         return result
 
-    async def _import(self, prompt: list[int], remote: RemoteKV, salt: str) -> ImportResult:
+    async def pull(
+        self, prompt: list[int], remote: RemoteKV, salt: str = "", local: int | None = None
+    ) -> ImportResult:
+        """Pull the blocks of ``remote`` this worker lacks and publish them in its prefix
+        cache. ``local``: how many leading blocks of the prompt this worker holds, if the
+        caller just asked ``local_blocks``. A failed transfer is no exception here: the
+        result names it (``fallback``) and the prompt is computed locally."""
+        try:
+            return await self._import(prompt, remote, salt, local)
+        except KVTransferError as e:
+            return ImportResult(remote=False, fallback=e.reason)
+
+    async def local_blocks(self, prompt: list[int], salt: str = "") -> int:
+        """Leading blocks of the prompt held here, in the pool or one tier down; the ones
+        below start their way up now and arrive while the rest crosses the wire."""
+        held, loading = await self.calls.call_now(lambda e: e.local_prefix(prompt, salt))
+        self.metrics.kv_local_tier_blocks.inc(loading)
+        return held + loading
+
+    async def _import(
+        self, prompt: list[int], remote: RemoteKV, salt: str, local: int | None
+    ) -> ImportResult:
         hashes = self.engine.block_hashes(prompt, salt)
         n = len(remote.block_hashes)
         if n > len(hashes) or tuple(hashes[:n]) != remote.block_hashes:
             await self._release_remote(remote)
             return ImportResult(remote=False, fallback="hash_mismatch")
-        # Blocks this worker holds, in its pool or one tier down, are not pulled: the ones
-        # below start their way up now and arrive while the rest crosses the wire.
-        held, loading = await self.calls.call(lambda e: e.local_prefix(prompt, salt))
-        local = held + loading
-        self.metrics.kv_local_tier_blocks.inc(loading)
+        # Blocks this worker holds are not pulled.
+        if local is None:
+            local = await self.local_blocks(prompt, salt)
         plan = self.planner.plan_load(remote, set(hashes[:local]))
         # Blocks past what the prefix cache may reuse are recomputed anyway: don't pull them.
         usable = self.engine.block_manager.reusable_blocks(len(prompt))
@@ -226,7 +274,7 @@ class DecodeSide:
         if plan.num_blocks == 0:  # everything usable is held here already
             await self._release_remote(remote)
             return ImportResult(remote=False)
-        dest = await self.calls.call(lambda e: e.reserve_blocks(plan.num_blocks))
+        dest = await self.calls.call_now(lambda e: e.reserve_blocks(plan.num_blocks))
         if dest is None:
             await self._release_remote(remote)
             return ImportResult(remote=False, fallback="no_free_blocks")
@@ -234,11 +282,11 @@ class DecodeSide:
         try:
             pulled = await asyncio.to_thread(client.pull, plan, self.sink, dest)
         except BaseException:
-            await self.calls.call(lambda e: e.release_blocks(dest))
+            await self.calls.call_now(lambda e: e.release_blocks(dest))
             raise
         start = plan.load_indices[0]
         loaded = hashes[start : start + plan.num_blocks]
-        await self.calls.call(lambda e: e.register_blocks(dest, loaded, prompt, start))
+        await self.calls.call_now(lambda e: e.register_blocks(dest, loaded, prompt, start))
         self.metrics.kv_blocks_received.inc(pulled.num_blocks)
         self.metrics.kv_bytes_received.inc(pulled.nbytes)
         self.metrics.kv_transfer_seconds.observe(pulled.seconds)

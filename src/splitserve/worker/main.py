@@ -31,6 +31,8 @@ def run_worker(
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    # httpx logs every request at INFO (a peer's KV lease, worker.peer): no line per request.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
     from splitserve.common.gc_pauses import quiet_gc
     from splitserve.engine.llm_engine import LLMEngine
     from splitserve.worker.server import create_app

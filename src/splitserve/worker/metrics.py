@@ -8,7 +8,7 @@ on the event loop as outputs arrive, which is what a client sees minus the netwo
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -57,6 +57,7 @@ class WorkerMetrics:
             "splitserve:request_errors", "Requests answered with an error", ["status"], registry=r
         )
         self._disaggregation_metrics(r)
+        self._peer_metrics(r)
 
     def _disaggregation_metrics(self, r: CollectorRegistry) -> None:
         self.prefills = Counter(
@@ -72,7 +73,9 @@ class WorkerMetrics:
             registry=r,
         )
         self.kv_blocks_received = Counter(
-            "splitserve:kv_blocks_received", "KV blocks pulled from prefill workers", registry=r
+            "splitserve:kv_blocks_received",
+            "KV blocks pulled from prefill workers and peers",
+            registry=r,
         )
         self.kv_local_tier_blocks = Counter(
             "splitserve:kv_blocks_from_local_tiers",
@@ -80,7 +83,9 @@ class WorkerMetrics:
             registry=r,
         )
         self.kv_bytes_received = Counter(
-            "splitserve:kv_bytes_received", "KV bytes pulled from prefill workers", registry=r
+            "splitserve:kv_bytes_received",
+            "KV bytes pulled from prefill workers and peers",
+            registry=r,
         )
         self.kv_transfer_seconds = Histogram(
             "splitserve:kv_transfer_seconds",
@@ -90,18 +95,51 @@ class WorkerMetrics:
         )
         self.kv_leases_granted = Counter(
             "splitserve:kv_leases_granted",
-            "Prompts whose KV was kept for a remote decode",
+            "KV leases granted: prompts kept for a remote decode, prefixes lent to peers",
             registry=r,
         )
         self.kv_leases_ended = Counter(
             "splitserve:kv_leases_ended", "KV leases ended, by reason", ["reason"], registry=r
         )
         self.kv_blocks_sent = Gauge(
-            "splitserve:kv_blocks_sent", "KV blocks sent to decode workers", registry=r
+            "splitserve:kv_blocks_sent", "KV blocks sent to decode workers and peers", registry=r
         )
         self.kv_bytes_sent = Gauge(
-            "splitserve:kv_bytes_sent", "KV bytes sent to decode workers", registry=r
+            "splitserve:kv_bytes_sent", "KV bytes sent to decode workers and peers", registry=r
         )
+
+    def _peer_metrics(self, r: CollectorRegistry) -> None:
+        counter = self._counter
+        self.kv_peer_fetches = counter(
+            "kv_peer_fetches",
+            "Requests naming a kv_peer, by outcome (pulled, held_locally, nothing_held, "
+            "nothing_new, fallback)",
+            r,
+            ["outcome"],
+        )
+        self.kv_peer_fallbacks = counter(
+            "kv_peer_fallbacks",
+            "Peer KV fetches that failed and left the prompt to local compute, by reason",
+            r,
+            ["reason"],
+        )
+        self.kv_peer_blocks_received = counter(
+            "kv_peer_blocks_received",
+            "KV blocks pulled from peers (also counted in kv_blocks_received)",
+            r,
+        )
+        self.kv_peer_leases = counter(
+            "kv_peer_leases",
+            "Lease requests from peers, by outcome (granted, empty: no block held)",
+            r,
+            ["outcome"],
+        )
+
+    @staticmethod
+    def _counter(
+        name: str, doc: str, registry: CollectorRegistry, labels: Sequence[str] = ()
+    ) -> Counter:
+        return Counter(f"splitserve:{name}", doc, list(labels), registry=registry)
 
     @staticmethod
     def _gauge(name: str, doc: str, registry: CollectorRegistry) -> Gauge:

@@ -31,6 +31,7 @@ from splitserve.worker.async_engine import AsyncEngine, EngineError, EngineLike,
 from splitserve.worker.disagg import DecodeSide, DisaggConfig, KVLoadFailed, PrefillSide
 from splitserve.worker.errors import APIError, bad_request, from_validation_error, install_handlers
 from splitserve.worker.metrics import WorkerMetrics
+from splitserve.worker.peer import PeerKV, peer_url
 from splitserve.worker.prepare import (
     EngineInput,
     ModelInfo,
@@ -80,7 +81,7 @@ def create_app(
     )
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     metrics = WorkerMetrics(lambda: async_engine.load)
-    kv = _KVSides.build(disagg or DisaggConfig(), engine, async_engine, metrics)
+    kv = _KVSides.build(disagg or DisaggConfig(), engine, async_engine, metrics, api_key)
     if getattr(engine, "tiering", None) is not None:
         TierCollector(engine, metrics.registry)
 
@@ -89,7 +90,7 @@ def create_app(
         async_engine.start()
         kv.start()
         yield
-        kv.stop()
+        await kv.stop()
         async_engine.shutdown()
         close = getattr(engine, "close", None)  # pending KV tier writes land within seconds
         if close is not None and not close(TIER_FLUSH_S):
@@ -108,31 +109,50 @@ def create_app(
 
 class _KVSides:
     """The disaggregation halves this worker runs: a prefill worker serves kept KV, a decode
-    worker pulls it; a collocated worker with a cluster secret can do both."""
+    worker pulls it; a collocated worker with a cluster secret can do both. ``server`` is the
+    KV data plane (also a peer-lending decode worker's); ``prefill`` is set only where it
+    takes prefill legs."""
 
-    def __init__(self, prefill: PrefillSide | None, decode: DecodeSide | None) -> None:
-        self.prefill, self.decode = prefill, decode
+    def __init__(
+        self,
+        server: PrefillSide | None,
+        decode: DecodeSide | None,
+        peer: PeerKV | None = None,
+        prefill_legs: bool = True,
+    ) -> None:
+        self.server, self.decode, self.peer = server, decode, peer
+        self.prefill = server if prefill_legs else None
 
     @classmethod
     def build(
-        cls, cfg: DisaggConfig, engine: Any, calls: AsyncEngine, metrics: WorkerMetrics
+        cls,
+        cfg: DisaggConfig,
+        engine: Any,
+        calls: AsyncEngine,
+        metrics: WorkerMetrics,
+        api_key: str | None = None,
     ) -> _KVSides:
         if not cfg.secret:
             return cls(None, None)
-        prefill = PrefillSide(cfg, engine, calls, metrics) if cfg.role != "decode" else None
+        server = PrefillSide(cfg, engine, calls, metrics) if cfg.serves_kv else None
         decode = DecodeSide(cfg, engine, calls, metrics) if cfg.role != "prefill" else None
-        return cls(prefill, decode)
+        peer = None
+        if cfg.peer and server is not None and decode is not None:
+            peer = PeerKV(cfg, server, decode, calls, metrics, api_key)
+        return cls(server, decode, peer, prefill_legs=cfg.role != "decode")
 
     def start(self) -> None:
-        if self.prefill is not None:
-            self.prefill.start()
+        if self.server is not None:
+            self.server.start()
 
-    def stop(self) -> None:
-        if self.prefill is not None:
-            self.prefill.stop()
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self.peer is not None:
+            await self.peer.close()
 
     def leased_blocks(self) -> int:
-        return self.prefill.leases.leased_blocks() if self.prefill is not None else 0
+        return self.server.leases.leased_blocks() if self.server is not None else 0
 
 
 def _auth(api_key: str | None):
@@ -201,6 +221,20 @@ def _api_routes(
         except EngineError as e:
             raise APIError(503, str(e), code="engine_unavailable") from e
         return {"object": "kv.prefetch", "blocks": blocks}
+
+    @router.post("/v1/kv/lease")
+    async def lease(request: Request) -> dict[str, Any]:
+        ids = await _prefetch_ids(request, model)
+        if kv.peer is None:
+            raise APIError(
+                404,
+                "this worker does not lend KV to peers (start it with --kv-peer)",
+                code="kv_peer_disabled",
+            )
+        try:
+            return await kv.peer.lease(ids)
+        except EngineError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from e
 
     @router.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -366,7 +400,9 @@ async def _kv_transfer(
 ) -> tuple[EngineInput, bool]:
     """Apply the request's ``kv_transfer_params``: a prefill leg computes one token and keeps
     the KV (returns keep=True); a decode leg first pulls the prompt's KV from the prefill
-    worker. Without them, nothing changes."""
+    worker. Without them, a turn naming a ``kv_peer`` first pulls what that peer holds of
+    the prompt's KV. Without either, nothing changes."""
+    peer = _peer_hint(req)
     params = req.kv_transfer_params or {}
     if params.get("do_remote_decode"):
         if kv.prefill is None:
@@ -380,18 +416,36 @@ async def _kv_transfer(
         one = dataclasses.replace(inp.params, max_tokens=1)
         return dataclasses.replace(inp, params=one), True
     if params.get("do_remote_prefill"):
-        if kv.decode is None:
-            raise bad_request(
-                "this worker cannot load remote KV (it has no cluster secret)",
-                param="kv_transfer_params",
-            )
-        try:
-            await kv.decode.import_kv(inp.prompt_token_ids, dict(params))
-        except ValueError as e:
-            raise bad_request(str(e), param="kv_transfer_params") from e
-        except KVLoadFailed as e:
-            raise APIError(502, str(e), code="kv_load_failed") from e
+        await _import_prefill(params, inp, kv)
+    elif peer is not None and kv.peer is not None:
+        # A worker without the feature ignores the hint: it is only ever a shortcut.
+        await kv.peer.fetch(inp.prompt_token_ids, peer)
     return inp, False
+
+
+async def _import_prefill(params: dict[str, Any], inp: EngineInput, kv: _KVSides) -> None:
+    """A decode leg: pull the prompt's KV from the prefill worker that computed it."""
+    if kv.decode is None:
+        raise bad_request(
+            "this worker cannot load remote KV (it has no cluster secret)",
+            param="kv_transfer_params",
+        )
+    try:
+        await kv.decode.import_kv(inp.prompt_token_ids, dict(params))
+    except ValueError as e:
+        raise bad_request(str(e), param="kv_transfer_params") from e
+    except KVLoadFailed as e:
+        raise APIError(502, str(e), code="kv_load_failed") from e
+
+
+def _peer_hint(req: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """The home worker a moved turn names (``kv_peer``), checked."""
+    if req.kv_peer is None:
+        return None
+    try:
+        return peer_url(req.kv_peer)
+    except ValueError as e:
+        raise bad_request(str(e), param="kv_peer") from e
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
