@@ -8,7 +8,7 @@ import pytest
 
 from splitserve.router.proxy import DECODE_HEADER, PREFILL_HEADER
 
-from .conftest import HTTP, wait_until
+from .conftest import HTTP, FakeWorker, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,20 +107,33 @@ def test_5xx_is_retried_on_another_worker(workers3, make_router):
 
 
 def test_connection_refused_is_retried_and_stream_continues(workers3, make_router):
-    dead = "http://127.0.0.1:9"  # discard port: nothing listens there
-    router = make_router(workers=[dead, *urls(workers3)], health_interval_s=60)
-    for s in range(12):  # some of these sessions call the dead worker home
-        with HTTP.stream(
-            "POST",
-            router.url + "/v1/chat/completions",
-            timeout=30.0,
-            json=chat(stream=True),
-            headers={"X-Session-Id": f"s{s}"},
-        ) as r:
-            assert r.status_code == 200
-            assert r.headers[DECODE_HEADER] != dead
-            assert r.read().endswith(b"data: [DONE]\n\n")
-    assert metric(router, "splitserve:router_worker_failures_total") >= 1
+    doomed = FakeWorker("doomed").wait_ready()
+    try:
+        workers = [doomed.url, *urls(workers3)]
+        router = make_router(workers=workers, health_interval_s=60, admin_key="admin")
+
+        def probed() -> bool:  # the router's one probe in this test has read doomed's /load
+            admin = {"Authorization": "Bearer admin"}
+            listed = HTTP.get(router.url + "/workers", headers=admin, timeout=5.0).json()["workers"]
+            return any(w["url"] == doomed.url and w["kv_blocks_total"] for w in listed)
+
+        wait_until(probed, what="the router's first health probe")
+        doomed.kill()  # healthy as far as the router knows: nothing probes for 60 s
+        for s in range(40):  # some of these sessions call the dead worker home
+            with HTTP.stream(
+                "POST",
+                router.url + "/v1/chat/completions",
+                timeout=30.0,
+                json=chat(stream=True),
+                headers={"X-Session-Id": f"s{s}"},
+            ) as r:
+                assert r.status_code == 200
+                assert r.headers[DECODE_HEADER] != doomed.url
+                assert r.read().endswith(b"data: [DONE]\n\n")
+        assert metric(router, "splitserve:router_worker_failures_total") >= 1
+        assert metric(router, "splitserve:router_retries_total") >= 1
+    finally:
+        doomed.kill()
 
 
 def test_mid_stream_failure_ends_with_an_error_event(workers3, make_router):
