@@ -208,8 +208,8 @@ def run_compare(args: argparse.Namespace) -> int:
         for name, rs in series.items()
         for ld, r in rs
     ]
-    tables = [text_table(rows(runs, ratios=True))]
-    markdown = [markdown_table(rows(runs, ratios=True))]
+    per_run = rows(runs, ratios=True)
+    tables, markdown = [text_table(per_run)], [markdown_table(per_run)]
     if len(repeats) > 1:
         means = mean_rows(_over_repeats(repeats))
         tables.append(text_table(means, MEAN_HEADERS))
