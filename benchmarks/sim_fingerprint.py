@@ -40,10 +40,10 @@ def fingerprint(config: SimConfig, deployment: Deployment, sessions, limit: int)
 
 
 def stats_repr(stats) -> str:
-    """The stats' dataclass repr, less the KV-tier counters while they are 0, so that the
-    hashes of runs without tiers stay those taken before the tiers existed."""
+    """The stats' dataclass repr, less the KV-tier and peer-fetch counters while they are 0,
+    so that the hashes of runs without them stay those taken before they existed."""
     fields = dataclasses.asdict(stats).items()
-    shown = (f"{k}={v!r}" for k, v in fields if v or not k.startswith("tier_"))
+    shown = (f"{k}={v!r}" for k, v in fields if v or not k.startswith(("tier_", "peer_")))
     return f"{type(stats).__name__}({', '.join(shown)})"
 
 

@@ -107,6 +107,7 @@ def serve_flags() -> argparse.ArgumentParser:
         p.add_argument(flag, type=float, default=None)
     p.add_argument("--disk-kv-gb", type=float, default=10.0)  # the worker's default
     p.add_argument("--disk-kv-dir", default=None)
+    p.add_argument("--kv-peer-fetch", action="store_true")
     for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--block-size"):
         p.add_argument(flag, type=int, default=None)
     return p
@@ -127,6 +128,7 @@ def simulated_system(run: dict) -> tuple[Deployment, dict]:
     dep = Deployment(a.prefill, a.decode) if a.prefill else Deployment(collocated=a.decode)
     settings = {"policy": a.policy, "prefill_policy": a.prefill_policy}
     settings["scheduling_policy"] = a.scheduling_policy
+    settings["kv_peer_fetch"] = a.kv_peer_fetch
     knobs = ("kv_cache_gb", "host_kv_gb", "max_num_seqs", "max_num_batched_tokens")
     for name in (*knobs, "load_factor", "load_floor"):
         if getattr(a, name) is not None:

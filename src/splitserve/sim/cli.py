@@ -69,6 +69,11 @@ def _add_run_args(p: argparse.ArgumentParser, deployment: bool = True) -> None:
     s.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
     s.add_argument("--remote-prefill-threshold", type=int, default=64)
     s.add_argument(
+        "--kv-peer-fetch",
+        action="store_true",
+        help="a turn moved off its session's home pulls the home's KV (policy session)",
+    )
+    s.add_argument(
         "--itl", action="store_true", help="record every inter-token gap (ITL statistics)"
     )
     s.add_argument(
@@ -106,6 +111,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         load_floor=args.load_floor,
         scheduling_policy=args.scheduling_policy,
         remote_prefill_threshold=args.remote_prefill_threshold,
+        kv_peer_fetch=args.kv_peer_fetch,
         record_itl=args.itl,
         chat_template=args.chat_template,
     )

@@ -106,6 +106,10 @@ class SimStats:
     tier_loads: int = 0
     tier_blocks_host: int = 0  # blocks loaded into device pools from host RAM
     tier_blocks_disk: int = 0  # ... from disk
+    peer_fetches: int = 0  # moved turns that pulled KV from their session's home
+    peer_blocks_moved: int = 0
+    peer_nothing: int = 0  # the home held nothing this worker lacked
+    peer_fallbacks: int = 0  # no free blocks for the pull: computed here
 
 
 class Cluster:
@@ -226,7 +230,12 @@ class Cluster:
             self.stats.remote_prefills += 1
         else:
             d.router.in_flight += 1
-            self._admit(d, self._sequence(req.rid, req, len(self._outputs[req.rid])), req)
+            seq = self._sequence(req.rid, req, len(self._outputs[req.rid]))
+            home = self._peer_home(req, d)
+            if home is None or len(req.prompt) >= self.max_model_len:
+                self._admit(d, seq, req)
+            else:
+                self._on_engine(d, lambda: self._peer_local(req, home, d, seq))
             self.stats.local_prefills += 1
 
     def _uncached(self, req: _Request, d: SimWorker, new_tokens: int) -> int:
@@ -369,14 +378,18 @@ class Cluster:
     def _hits(self, req: _Request, p: SimWorker, d: SimWorker, kept: Sequence) -> None:
         """D's engine, between steps: which of the prompt's blocks it holds already. Like the
         real decode worker's, each of its engine calls waits for its own step boundary."""
-        bm, tiering = d.engine.block_manager, d.engine.tiering
-        if tiering is not None:  # what lower tiers hold starts up now and is not pulled
-            held, loading = tiering.prefetch(req.prompt, self.root)
-            hits = held + loading
-        else:
-            usable = bm.reusable_blocks(len(req.prompt))
-            hits = len(bm.cached_chain(bm.chain(kept, usable), usable))
+        hits = self._local_blocks(d, kept, req.prompt)
         self._on_engine(d, lambda: self._pull(req, p, d, kept, hits))
+
+    def _local_blocks(self, d: SimWorker, seq: Sequence, prompt: list[int]) -> int:
+        """The leading reusable blocks of ``prompt`` that ``d`` holds; with lower tiers, those
+        below its pool count too, and their loads start now (they are not pulled)."""
+        bm, tiering = d.engine.block_manager, d.engine.tiering
+        if tiering is not None:
+            held, loading = tiering.prefetch(prompt, self.root)
+            return held + loading
+        usable = bm.reusable_blocks(len(prompt))
+        return len(bm.cached_chain(bm.chain(seq, usable), usable))
 
     def _pull(self, req: _Request, p: SimWorker, d: SimWorker, kept: Sequence, hits: int) -> None:
         """D's engine, the next boundary: reserve blocks, start the transfer."""
@@ -415,11 +428,16 @@ class Cluster:
         self._decode_leg(req, d)
 
     def _release_lease(self, p: SimWorker, kept: Sequence) -> None:
-        def release() -> None:
-            p.engine.block_manager.release(kept.block_table)
-            p.engine.blocks_released()
+        self._release(p, kept.block_table)
 
-        self._on_engine(p, release)
+    def _release(self, w: SimWorker, block_ids: list[int]) -> None:
+        """A lease on ``block_ids`` ends at ``w``'s next step boundary."""
+
+        def release() -> None:
+            w.engine.block_manager.release(block_ids)
+            w.engine.blocks_released()
+
+        self._on_engine(w, release)
 
     def _decode_leg(self, req: _Request, d: SimWorker) -> None:
         seq = self._sequence(req.rid, req, len(self._outputs[req.rid]))
@@ -428,6 +446,86 @@ class Cluster:
         except ValueError as e:
             d.router.in_flight -= 1
             self._fail(req, str(e))
+
+    # ---- peer KV fetch: a moved turn pulls its session's KV from the home ----------------
+
+    def _peer_home(self, req: _Request, d: SimWorker) -> SimWorker | None:
+        """The session's home, when the ring placed this turn on another worker and the
+        router names the home to pull from (``kv_peer_fetch``)."""
+        if not self.config.kv_peer_fetch:
+            return None
+        home = self.decode_policy.home_worker(self._decode_candidates, req.info)
+        return None if home is None or home is d.router else self._by_router[id(home)]
+
+    def _peer_local(self, req: _Request, home: SimWorker, d: SimWorker, seq: Sequence) -> None:
+        """D's engine: what it holds of the prompt. With all it could reuse held here, the
+        request runs at once; else D asks the home for a lease on what the home holds."""
+        usable = d.engine.block_manager.reusable_blocks(len(req.prompt))
+        local = self._local_blocks(d, seq, req.prompt) if usable else 0
+        if local >= usable:
+            self._admit(d, seq, req)
+            return
+        half = self.config.hardware.peer_lease_s / 2  # the lease request, then its answer
+        self.events.at(
+            self.now + half,
+            lambda _: self._on_engine(home, lambda: self._peer_lease(req, home, d, seq, local)),
+        )
+
+    def _peer_lease(
+        self, req: _Request, home: SimWorker, d: SimWorker, seq: Sequence, local: int
+    ) -> None:
+        """The home's engine: one reference on each block of the prompt's leading cached run
+        in its pool (the real ``lease_prefix``); the answer travels back to D."""
+        bm = home.engine.block_manager
+        usable = bm.reusable_blocks(len(req.prompt))
+        leased = bm.take_cached(bm.chain(seq, usable).hashes[:usable], req.prompt)
+        half = self.config.hardware.peer_lease_s / 2
+        self.events.at(
+            self.now + half,
+            lambda _: self._on_engine(d, lambda: self._peer_pull(req, home, d, seq, local, leased)),
+        )
+
+    def _peer_pull(
+        self,
+        req: _Request,
+        home: SimWorker,
+        d: SimWorker,
+        seq: Sequence,
+        local: int,
+        leased: list[int],
+    ) -> None:
+        """D's engine: reserve blocks for what the home lent beyond what D holds, and pull
+        them; with nothing new, or no free blocks, the request computes its prompt here."""
+        s, n = self.stats, len(leased) - local
+        if n <= 0:
+            s.peer_nothing += 1
+            self._peer_done(req, home, d, seq, leased)
+            return
+        bm = d.engine.block_manager
+        dest = bm.reserve(n)
+        if dest is None:
+            s.peer_fallbacks += 1
+            self._peer_done(req, home, d, seq, leased)
+            return
+        start = max(self.now, d.link_free)
+        d.link_free = start + self.cost.transfer_time(n * bm.block_size, home.node == d.node)
+        s.peer_fetches += 1
+        s.peer_blocks_moved += n
+        hashes = bm.chain(seq, len(leased)).hashes[local : len(leased)]
+
+        def land() -> None:
+            d.engine.register(dest, hashes, req.prompt, local)
+            self._peer_done(req, home, d, seq, leased)
+
+        self.events.at(d.link_free, lambda _: self._on_engine(d, land))
+
+    def _peer_done(
+        self, req: _Request, home: SimWorker, d: SimWorker, seq: Sequence, leased: list[int]
+    ) -> None:
+        """The lease ends (at the home's next step boundary) and the request runs on D."""
+        if leased:
+            self._release(home, leased)
+        self._admit(d, seq, req)
 
     # ---- endings -------------------------------------------------------------------------
 

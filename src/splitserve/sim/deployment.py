@@ -68,6 +68,9 @@ class SimConfig:
     load_floor: int = DEFAULT_LOAD_FLOOR
     scheduling_policy: str = "fcfs"  # the engine's admission order, as --scheduling-policy
     remote_prefill_threshold: int = DEFAULT_REMOTE_PREFILL_THRESHOLD
+    # A turn the session ring moves off its home pulls the home's cached KV of the prompt
+    # (router and worker --kv-peer-fetch) instead of recomputing it.
+    kv_peer_fetch: bool = False
     chat_template: bool = False  # chat-API sessions' prompts carry ChatML's tokens (sim/chat.py)
     exact: bool = False  # every step through the real schedule()/update() (slow; for tests)
     record_itl: bool = False  # every request's inter-token gaps (memory grows with tokens)
@@ -78,6 +81,11 @@ class SimConfig:
                 known = ", ".join(sorted(POLICIES))
                 raise ValueError(f"unknown routing policy {getattr(self, name)!r}; use {known}")
         check_scheduling_policy(self.scheduling_policy)
+        if self.kv_peer_fetch and self.policy != "session":
+            raise ValueError(
+                f"kv_peer_fetch names a session's home worker: it needs policy 'session', "
+                f"got {self.policy!r}"
+            )
         if self.load_factor < 1.0 or self.load_floor < 1:
             raise ValueError("load_factor and load_floor must be >= 1")
         if self.block_size < 1 or self.max_num_seqs < 1:

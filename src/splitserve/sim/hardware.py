@@ -51,6 +51,8 @@ class HardwareProfile:
     # The router's decode leg after a remote prefill: the prefill's HTTP answer, the second
     # request, the decode worker's pull setup (before any KV moves).
     remote_leg_s: float = 1e-3
+    # Peer KV fetch: a worker's lease request to a session's home worker and its answer.
+    peer_lease_s: float = 1e-3
     host_bw: float = 64 * GB  # bytes/s, one direction, host RAM <-> one GPU (KV tier loads)
     host_latency_s: float = 10e-6  # one tier load's setup (a copy launch)
     disk_bw: float = 7 * GB  # bytes/s, local disk reads per GPU

@@ -68,6 +68,19 @@ def _counters(cluster: Cluster) -> dict[str, float]:
         "mean worker busy (%)": 100.0 * sum(w.busy_s for w in workers) / (span * len(workers)),
         "engine steps (events)": sum(w.steps for w in workers),
         **_tier_counters(cluster),
+        **_peer_counters(cluster),
+    }
+
+
+def _peer_counters(cluster: Cluster) -> dict[str, float]:
+    if not cluster.config.kv_peer_fetch:
+        return {}
+    s = cluster.stats
+    return {
+        "KV peer fetches": s.peer_fetches,
+        "KV blocks pulled from peers": s.peer_blocks_moved,
+        "KV peer fetches with nothing new": s.peer_nothing,
+        "KV peer fetch fallbacks": s.peer_fallbacks,
     }
 
 
