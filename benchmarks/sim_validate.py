@@ -163,14 +163,17 @@ def against_bench(args, workload, slo: SLO) -> None:
     with open(args.bench_json) as f:
         runs = json.load(f)
     table = []
-    index: dict[str, int] = {}
+    index: dict[tuple[str, int], int] = {}
     for run in runs:
-        # `bench compare` replays seed + i for the i-th load of each deployment.
-        i = index[run["deployment"]] = index.get(run["deployment"], -1) + 1
+        # `bench compare` replays seed + i for the i-th load of each deployment, the same
+        # seeds in every repeat (`--repeats`).
+        key = (run["deployment"], run.get("repeat", 1))
+        i = index[key] = index.get(key, -1) + 1
         wl = dataclasses.replace(workload, seed=workload.seed + i)
         check_workload(run, wl)
         dep, settings = simulated_system(run)
         settings["chat_template"] = chats(wl) and not args.no_chat_template
+        settings["host_cores"] = args.host_cores
         records = [RequestRecord(**r) for r in run["requests"]]
         real = summarize(records, run["summary"]["duration_s"], slo)
         duration = max(r.start_s for r in records if r.turn == 0) + 1e-9
@@ -220,6 +223,12 @@ def main() -> None:
     ap.add_argument("--bench-json", default=None, help="a `bench compare --json` output")
     ap.add_argument(
         "--no-chat-template", action="store_true", help="simulate chat prompts without it"
+    )
+    ap.add_argument(
+        "--host-cores",
+        type=int,
+        default=None,
+        help="the cores the real workers shared (this machine: 2); default: one each",
     )
     args = ap.parse_args()
     if args.workload == "random":

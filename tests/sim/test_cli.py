@@ -38,9 +38,10 @@ def test_sim_takes_the_engine_and_router_settings_of_serve():
     from splitserve.sim.cli import build_config
 
     argv = ["sim", "--rate", "1", "--scheduling-policy", "shortest-prefill"]
-    argv += ["--load-factor", "1.5", "--load-floor", "3"]
+    argv += ["--load-factor", "1.5", "--load-floor", "3", "--kv-peer-fetch", "--host-cores", "2"]
     cfg = build_config(build_parser().parse_args(argv))
     assert (cfg.scheduling_policy, cfg.load_factor, cfg.load_floor) == ("shortest-prefill", 1.5, 3)
+    assert (cfg.kv_peer_fetch, cfg.host_cores) == (True, 2)
 
 
 def test_sim_plan_prints_a_table_with_the_best_first(capsys):
@@ -75,6 +76,8 @@ def test_bad_input_is_a_clear_message_not_a_traceback(capsys):
     assert "open loops" in capsys.readouterr().err
     assert main(["sim", "--rate", "1", "--kv-cache-gb", "0"]) == 2
     assert "kv_cache_gb must be > 0" in capsys.readouterr().err
+    assert main(["sim", "--rate", "1", "--host-cores", "0"]) == 2
+    assert "host_cores must be >= 1" in capsys.readouterr().err
 
 
 def test_calibrate_out_is_not_read_as_a_bench_option():

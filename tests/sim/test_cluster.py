@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from splitserve.bench.workloads import AgenticConfig, RandomConfig
+from splitserve.bench.workloads import AgenticConfig, RandomConfig, Segment, SessionSpec, TurnSpec
 from splitserve.sim.cluster import Cluster
+from splitserve.sim.cost_model import StepShape
 from splitserve.sim.deployment import Deployment
 from tests.sim.helpers import COLLOCATED, DISAGG, config, run
 
@@ -126,8 +127,6 @@ def test_random_requests_in_a_light_load_see_the_bare_step_times():
     # One request at a time on one collocated worker: TTFT is its prefill step exactly.
     cfg = config(max_num_batched_tokens=4096)
     cluster, records = run(cfg, Deployment(collocated=1), RandomConfig(1000, 8), 0.01, 3)
-    from splitserve.sim.cost_model import StepShape
-
     prefill = cluster.cost.step_time(StepShape(1000, 1, 1000 * 1001 / 2, 1000, 1))
     for r in records:
         assert r.ttft_s == pytest.approx(prefill, rel=1e-12)
@@ -196,3 +195,53 @@ def test_bad_scheduling_and_load_settings_are_clear_errors():
         config(scheduling_policy="lifo")
     with pytest.raises(ValueError, match="load_factor and load_floor must be >= 1"):
         config(load_floor=0)
+
+
+def _one_prefill_sessions(arrivals: list[float], prompt_len: int) -> list[SessionSpec]:
+    """Single-turn sessions of one ``prompt_len`` prompt and one output token each."""
+    return [
+        SessionSpec(
+            f"s{i}",
+            t,
+            0,
+            (TurnSpec(0.0, (Segment("prompt", tuple(range(i, i + prompt_len))),), 1, (7,)),),
+        )
+        for i, t in enumerate(arrivals)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("cores", "second_at", "ttfts"),
+    [
+        (2, 0.0, (1.0, 1.0)),  # a core each
+        (1, 0.0, (2.0, 2.0)),  # one core, shared from the start
+        (1, 0.5, (1.5, 1.5)),  # half alone, then shared: each ends half a prefill later
+    ],
+)
+def test_workers_on_shared_cores_share_them_evenly(cores, second_at, ttfts):
+    # Two workers each prefill a 1,000-token prompt (p seconds alone). Under processor
+    # sharing the first, alone for second_at * p, does the rest at half speed until done at
+    # 1.5p; the second does half its work by then and the rest alone, ending at 2p.
+    cfg = config(max_num_batched_tokens=4096, policy="round-robin", host_cores=cores)
+    cluster = Cluster(cfg, COLLOCATED)
+    p = cluster.cost.step_time(StepShape(1000, 1, 1000 * 1001 / 2, 1000, 1))
+    records = cluster.run(iter(_one_prefill_sessions([0.0, second_at * p], 1000)))
+    got = sorted(r.ttft_s / p for r in records)
+    assert got == pytest.approx(list(ttfts), rel=1e-9)
+    assert [w.busy_s / p for w in cluster.workers] == pytest.approx(list(ttfts), rel=1e-9)
+
+
+def test_shared_cores_slow_a_busy_cluster_and_lose_no_request():
+    workload = AgenticConfig(seed=0)
+    own, shared = (
+        run(config(host_cores=cores), Deployment(collocated=4), workload, 8.0, 40)
+        for cores in (None, 2)
+    )
+    assert len(own[1]) == len(shared[1]) and all(r.ok for r in shared[1])
+    assert mean_e2e(shared[1]) > 1.2 * mean_e2e(own[1])
+    with pytest.raises(ValueError, match="host_cores must be >= 1"):
+        config(host_cores=0)
+
+
+def mean_e2e(records) -> float:
+    return sum(r.e2e_s for r in records) / len(records)

@@ -69,6 +69,13 @@ def _add_run_args(p: argparse.ArgumentParser, deployment: bool = True) -> None:
     s.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
     s.add_argument("--remote-prefill-threshold", type=int, default=64)
     s.add_argument(
+        "--host-cores",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the workers share N CPU cores (one thread each, as bench compare runs them)",
+    )
+    s.add_argument(
         "--kv-peer-fetch",
         action="store_true",
         help="a turn moved off its session's home pulls the home's KV (policy session)",
@@ -112,6 +119,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         scheduling_policy=args.scheduling_policy,
         remote_prefill_threshold=args.remote_prefill_threshold,
         kv_peer_fetch=args.kv_peer_fetch,
+        host_cores=args.host_cores,
         record_itl=args.itl,
         chat_template=args.chat_template,
     )

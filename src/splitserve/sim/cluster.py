@@ -79,6 +79,12 @@ class SimWorker:
     mover_free: float = 0.0  # lower-tier loads busy until (one at a time, as one mover)
     calls: list[Callable[[], None]] = field(default_factory=list)
     in_calls: bool = False
+    # Sharing the host's cores (``host_cores``): the step or run in progress is ``work``
+    # engine seconds, ``done`` of them by wall time ``mark``, at ``stretch`` wall seconds each.
+    work: float = 0.0
+    done: float = 0.0
+    mark: float = 0.0
+    stretch: float = 1.0
 
 
 @dataclass(slots=True, eq=False)
@@ -282,6 +288,9 @@ class Cluster:
         if not w.busy:
             self._begin(w)
         elif w.engine.in_run and (w.calls or w.engine.admission_possible()):
+            if self.config.host_cores:
+                self._cut_shared_run(w)
+                return
             total = w.engine.interrupt(self.now - w.started)
             if total is not None and total < w.duration:
                 self._schedule_end(w, total)
@@ -289,6 +298,7 @@ class Cluster:
     def _begin(self, w: SimWorker) -> None:
         """Between steps: run the queued engine calls, then start the next step. A call
         queued by a call waits for the next step boundary, unless the engine is idle."""
+        was_busy = w.busy
         while True:
             calls, w.calls = w.calls, []
             w.in_calls = True
@@ -303,11 +313,58 @@ class Cluster:
             if duration is not None:
                 w.busy = True
                 w.started = self.now
-                self._schedule_end(w, duration)
+                if self.config.host_cores:
+                    self._start_shared(w, duration, was_busy)
+                else:
+                    self._schedule_end(w, duration)
                 return
             if not w.calls:
                 w.busy = False
+                if self.config.host_cores and was_busy:
+                    self._reshare(w)
                 return
+
+    # ---- workers sharing the host's cores (cpu-local, one thread per worker) -------------
+    # Processor sharing: while k workers compute on c cores, each runs at min(1, c / k) of
+    # its own speed. When k changes, the steps in progress stretch or shrink from then on.
+
+    def _start_shared(self, w: SimWorker, work: float, was_busy: bool) -> None:
+        w.work, w.done, w.mark = work, 0.0, self.now
+        if not was_busy:
+            self._reshare(w)
+        w.stretch = self._stretch()
+        self._schedule_shared_end(w)
+
+    def _stretch(self) -> float:
+        cores = self.config.host_cores
+        assert cores is not None
+        return max(1.0, sum(1 for x in self.workers if x.busy) / cores)
+
+    def _schedule_shared_end(self, w: SimWorker) -> None:
+        self._schedule_end(w, w.mark + (w.work - w.done) * w.stretch - w.started)
+
+    def _reshare(self, changed: SimWorker) -> None:
+        """``changed`` started or stopped computing: every other busy worker's step goes on
+        at the new share (a decode run ends after its step in progress, and the next step
+        starts at the share of its time)."""
+        stretch = self._stretch()
+        for x in self.workers:
+            if x is changed or not x.busy:
+                continue
+            x.done += (self.now - x.mark) / x.stretch
+            x.mark, x.stretch = self.now, stretch
+            if x.engine.in_run:
+                total = x.engine.interrupt(x.done)
+                if total is not None:
+                    x.work = min(x.work, total)
+            self._schedule_shared_end(x)
+
+    def _cut_shared_run(self, w: SimWorker) -> None:
+        """End ``w``'s decode run after the step in progress."""
+        total = w.engine.interrupt(w.done + (self.now - w.mark) / w.stretch)
+        if total is not None and total < w.work:
+            w.work = total
+            self._schedule_shared_end(w)
 
     def _schedule_end(self, w: SimWorker, duration: float) -> None:
         w.duration = duration

@@ -71,6 +71,9 @@ class SimConfig:
     # A turn the session ring moves off its home pulls the home's cached KV of the prompt
     # (router and worker --kv-peer-fetch) instead of recomputing it.
     kv_peer_fetch: bool = False
+    # The workers share this many CPU cores (cpu-local: `bench compare`'s one-thread workers
+    # on this machine); None: each worker has its own device.
+    host_cores: int | None = None
     chat_template: bool = False  # chat-API sessions' prompts carry ChatML's tokens (sim/chat.py)
     exact: bool = False  # every step through the real schedule()/update() (slow; for tests)
     record_itl: bool = False  # every request's inter-token gaps (memory grows with tokens)
@@ -81,6 +84,8 @@ class SimConfig:
                 known = ", ".join(sorted(POLICIES))
                 raise ValueError(f"unknown routing policy {getattr(self, name)!r}; use {known}")
         check_scheduling_policy(self.scheduling_policy)
+        if self.host_cores is not None and self.host_cores < 1:
+            raise ValueError(f"host_cores must be >= 1, got {self.host_cores}")
         if self.kv_peer_fetch and self.policy != "session":
             raise ValueError(
                 f"kv_peer_fetch names a session's home worker: it needs policy 'session', "

@@ -155,6 +155,8 @@ HARDWARE: dict[str, HardwareProfile] = {
             net_latency_s=2e-3,
             allreduce_latency_s=0.0,
             remote_leg_s=0.13,  # benchmarks/disagg_latency.py: +140 ms TTFT, 14 ms of it the pull
+            # POST /v1/kv/lease to an idle worker on loopback: 1.8 ms median of 30 (1.3 min).
+            peer_lease_s=2e-3,
             # The KV mover's host-RAM load, idle engine: 128 blocks of 720 KiB (2,048 tokens)
             # in 28-29 ms (benchmarks/kv_tier_overlap.py, docs/benchmarks.md) = 3.3 GB/s.
             host_bw=3.3 * GB,
