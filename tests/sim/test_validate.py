@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -66,7 +67,10 @@ class Case:
     drift: float  # the step times after the run over those before it
 
     def ratio(self, figure: Callable[[Summary], float]) -> float:
-        return figure(self.sim.summary) / figure(self.real.summary)
+        sim, real = figure(self.sim.summary), figure(self.real.summary)
+        if real == 0:  # a real run that met no objective: no ratio is within 15% of it
+            return math.inf if sim else math.nan
+        return sim / real
 
 
 def goodput(s: Summary) -> float:
