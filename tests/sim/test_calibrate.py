@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 
 import pytest
 
@@ -10,11 +11,16 @@ from splitserve.cli import main
 from splitserve.sim.calibrate import (
     Sample,
     build_engine,
+    busy_neighbour,
+    co_run_slowdown,
     cost_model_of,
     fit,
     measure,
+    measure_co_run,
     measure_host_load,
     peak_cost_model,
+    read_co_run,
+    write_calibration,
 )
 from splitserve.sim.cost_model import StepShape
 from splitserve.sim.hardware import get_hardware, load_calibration
@@ -102,6 +108,10 @@ def test_a_calibration_file_sets_the_profile(tmp_path):
     assert hw.multi_row_overhead_s == 0.0 and hw.attention_eff is None
     path.write_text(json.dumps({"fit": {**fitted, "host_bw": 5e9}}))
     assert load_calibration(get_hardware("cpu-local"), str(path)).host_bw == 5e9
+    assert get_hardware("cpu-local").co_run_slowdown == 0.0  # a file without it: none
+    for measured, used in ((0.15, 0.15), (-0.02, 0.0)):  # a neighbour never speeds a step up
+        path.write_text(json.dumps({"fit": {**fitted, "co_run_slowdown": measured}}))
+        assert load_calibration(get_hardware("cpu-local"), str(path)).co_run_slowdown == used
     path.write_text("{}")
     with pytest.raises(ValueError, match="has no fit"):
         load_calibration(get_hardware("cpu-local"), str(path))
@@ -134,3 +144,36 @@ def test_the_real_engine_steps_and_host_tier_loads_are_measured():
     # The real KV mover, host RAM -> the engine's KV cache: some bytes per second, at most
     # what this machine's memory moves (a copy reads and writes; 100 GB/s is far above it).
     assert 1e7 < measure_host_load(engine, blocks=16, repeats=1) < 1e11
+    # --co-run: the same grid beside a second engine computing in another process, which is
+    # gone afterwards.
+    grid = dict(prefill_lens=(16,), decode_batches=(1,), context_prefills=())
+    beside = measure_co_run(engine, 1, 1, **grid)
+    assert [(s.shape.tokens, s.shape.chunks) for s in beside] == [(16, 1), (1, 1)]
+    assert all(s.seconds > 0 for s in beside)
+    assert multiprocessing.active_children() == []
+
+
+def test_the_co_run_slowdown_is_stored_and_kept_by_refit(tmp_path):
+    alone = [Sample(shape, 0.01 * (i + 1)) for i, shape in enumerate(shapes())]
+    beside = [Sample(s.shape, 1.2 * s.seconds) for s in alone]
+    assert co_run_slowdown(alone, beside) == pytest.approx(0.2)
+    path, out = tmp_path / "cal.json", tmp_path / "refit.json"
+    write_calibration(str(path), {"co_run_slowdown": 0.2}, alone, beside)
+    assert read_co_run(str(path)) == beside
+    assert main(["sim", "calibrate", "--refit", str(path), "--out", str(out)]) == 0
+    refit = json.loads(out.read_text())
+    assert refit["fit"]["co_run_slowdown"] == pytest.approx(0.2)
+    assert load_calibration(get_hardware("cpu-local"), str(out)).co_run_slowdown == pytest.approx(
+        0.2
+    )
+
+
+def _idle(threads: int, ready, stop) -> None:
+    ready.set()
+    stop.wait(60)
+
+
+def test_the_second_process_stops_however_the_block_ends():
+    with pytest.raises(KeyError), busy_neighbour(threads=1, target=_idle):
+        raise KeyError("boom")
+    assert multiprocessing.active_children() == []

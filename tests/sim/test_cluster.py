@@ -10,7 +10,9 @@ import pytest
 from splitserve.bench.workloads import AgenticConfig, RandomConfig, Segment, SessionSpec, TurnSpec
 from splitserve.sim.cluster import Cluster
 from splitserve.sim.cost_model import StepShape
-from splitserve.sim.deployment import Deployment
+from splitserve.sim.deployment import Deployment, SimConfig
+from splitserve.sim.hardware import get_hardware
+from splitserve.sim.models import get_model
 from tests.sim.helpers import COLLOCATED, DISAGG, config, run
 
 
@@ -229,6 +231,24 @@ def test_workers_on_shared_cores_share_them_evenly(cores, second_at, ttfts):
     got = sorted(r.ttft_s / p for r in records)
     assert got == pytest.approx(list(ttfts), rel=1e-9)
     assert [w.busy_s / p for w in cluster.workers] == pytest.approx(list(ttfts), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("second_at", "ttfts"),
+    [
+        (0.0, (1.25, 1.25)),  # two engines at once: each 1.25x slower
+        (0.5, (1.125, 1.125)),  # the first: 0.5 alone + 0.5 at 1.25x; the second the mirror
+    ],
+)
+def test_engines_computing_at_once_slow_each_other_by_the_measured_factor(second_at, ttfts):
+    hw = get_hardware("h100").with_fit(co_run_slowdown=0.25)
+    cfg = SimConfig(
+        get_model("llama3-8b"), hw, max_num_batched_tokens=4096, policy="round-robin", host_cores=2
+    )
+    cluster = Cluster(cfg, COLLOCATED)
+    p = cluster.cost.step_time(StepShape(1000, 1, 1000 * 1001 / 2, 1000, 1))
+    records = cluster.run(iter(_one_prefill_sessions([0.0, second_at * p], 1000)))
+    assert sorted(r.ttft_s / p for r in records) == pytest.approx(list(ttfts), rel=1e-9)
 
 
 def test_shared_cores_slow_a_busy_cluster_and_lose_no_request():

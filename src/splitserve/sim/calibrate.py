@@ -13,17 +13,22 @@ efficiencies and overheads minimising the squared relative error of::
 overheads at each point). ``multi_row``: a step of one token runs its weight products as
 GEMV, a larger one as GEMM, which packs the weights first. It also times the real KV mover
 loading blocks from a host-RAM tier into the engine's KV cache: the simulated host-tier
-loads' bandwidth (``host_bw``). ``--refit FILE`` fits the samples of an earlier ``--out``
-file again, measuring nothing.
+loads' bandwidth (``host_bw``). ``--co-run`` times the grid once more while a second engine
+computes in another process: ``co_run_slowdown``, how much two workers sharing this machine
+slow each other beyond the share of cores (``sim --host-cores``). ``--refit FILE`` fits the
+samples of an earlier ``--out`` file again, measuring nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
+import multiprocessing
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +59,11 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="timed steps per grid point")
     p.add_argument("--out", default=None, help="write the samples and the fit (JSON)")
+    p.add_argument(
+        "--co-run",
+        action="store_true",
+        help="time the grid again while a second engine computes (co_run_slowdown)",
+    )
     p.add_argument(
         "--refit",
         default=None,
@@ -128,6 +138,60 @@ def measure(
         for rid in ids:
             engine.abort_request(rid)
     return samples
+
+
+def measure_co_run(engine, threads: int, repeats: int, **grid) -> list[Sample]:
+    """``measure`` on ``engine`` while a second engine (another process, the same model and
+    threads) runs prefills and decodes of its own without pause."""
+    with busy_neighbour(threads):
+        return measure(None, threads, repeats, engine=engine, **grid)
+
+
+@contextlib.contextmanager
+def busy_neighbour(
+    threads: int, timeout_s: float = 300.0, target: Callable[..., None] | None = None
+) -> Iterator[None]:
+    """A second engine computing in another process for the duration of the block; the
+    process is gone when the block ends, however it ends. (``target(threads, ready, stop)``
+    replaces the engine's loop in tests.)"""
+    ctx = multiprocessing.get_context("spawn")  # a forked torch process can deadlock
+    ready, stop = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=target or _keep_busy, args=(threads, ready, stop), daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(timeout_s):
+            raise RuntimeError(f"the second engine did not start within {timeout_s:g} s")
+        yield
+    finally:
+        stop.set()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _keep_busy(threads: int, ready, stop) -> None:
+    """Four requests in flight at all times (128-token prompts, 16-token replies), stepped
+    until ``stop``: prefills mixed with decode batches, as a worker under load."""
+    from splitserve.common.sampling_params import SamplingParams
+
+    engine = build_engine(None, threads)
+    rng = np.random.default_rng(1 << 20)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ready.set()
+    for i in itertools.count():
+        if stop.is_set():
+            return
+        if len(engine.scheduler.running) + len(engine.scheduler.waiting) < 4:
+            prompt = [int(t) for t in rng.integers(1000, 40000, 128)]
+            engine.add_request(f"busy-{i}", prompt, params)
+        engine.step()
+
+
+def co_run_slowdown(alone: list[Sample], co_run: list[Sample]) -> float:
+    """The median over the grid's steps of (time with a neighbour / time alone) - 1."""
+    pairs = zip(medians(alone), medians(co_run), strict=True)
+    return float(np.median([b.seconds / a.seconds for a, b in pairs])) - 1.0
 
 
 def measure_host_load(engine, blocks: int = 128, repeats: int = 3) -> float:
@@ -264,15 +328,21 @@ def peak_cost_model() -> CostModel:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     cost = peak_cost_model()
+    co_run: list[Sample] = []
     if args.refit:
         samples, host_bw = read_samples(args.refit)
+        co_run = read_co_run(args.refit)
     else:
         engine = build_engine(args.model_path, args.threads)
         samples = measure(args.model_path, args.threads, args.repeats, engine=engine)
         host_bw = measure_host_load(engine, repeats=args.repeats)
+        if args.co_run:
+            co_run = measure_co_run(engine, args.threads, args.repeats)
     result = fit(samples, cost)
     if host_bw is not None:
         result["host_bw"] = host_bw
+    if co_run:
+        result["co_run_slowdown"] = co_run_slowdown(samples, co_run)
     print(f"{'step':<28}{'measured ms':>12}{'fitted ms':>11}")
     fitted = cost_model_of(result)
     for s in medians(samples):
@@ -281,7 +351,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for key, value in result.items():
         print(f"{key}: {value:.4g}")
     if args.out:
-        write_calibration(args.out, result, samples)
+        write_calibration(args.out, result, samples, co_run)
     return 0
 
 
@@ -292,12 +362,31 @@ def cost_model_of(result: dict[str, float]) -> CostModel:
     return CostModel(get_model("smollm2-135m"), hw, 1, "fp32")
 
 
-def write_calibration(path: str, result: dict[str, float], samples: list[Sample]) -> None:
+def write_calibration(
+    path: str, result: dict[str, float], samples: list[Sample], co_run: list[Sample] | None = None
+) -> None:
+    data = {"fit": result, "samples": _rows(samples)}
+    if co_run:
+        data["co_run_samples"] = _rows(co_run)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def _rows(samples: list[Sample]) -> list[dict]:
     rows = [{**dataclasses.asdict(s.shape), "seconds": s.seconds} for s in samples]
     for row in rows:
         row["seqs"] = row.pop("chunks")
-    with open(path, "w") as f:
-        json.dump({"fit": result, "samples": rows}, f, indent=1)
+    return rows
+
+
+def read_co_run(path: str) -> list[Sample]:
+    """The ``--co-run`` samples of a ``sim calibrate --out`` file (none in older files)."""
+    try:
+        with open(path) as f:
+            rows = json.load(f).get("co_run_samples", [])
+        return [Sample(_stored_shape(r), float(r["seconds"])) for r in rows]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SystemExit(f"cannot read co-run samples from {path}: {e!r}") from None
 
 
 def read_samples(path: str) -> tuple[list[Sample], float | None]:

@@ -336,9 +336,13 @@ class Cluster:
         self._schedule_shared_end(w)
 
     def _stretch(self) -> float:
-        cores = self.config.host_cores
-        assert cores is not None
-        return max(1.0, sum(1 for x in self.workers if x.busy) / cores)
+        """Wall seconds per engine second while ``k`` workers compute on ``n`` cores: the
+        share of a core, ``max(1, k / n)``, times the slowdown of ``min(k, n)`` engines
+        computing at once (``co_run_slowdown`` for each one more)."""
+        n = self.config.host_cores
+        assert n is not None
+        k = sum(1 for x in self.workers if x.busy)
+        return max(1.0, k / n) * (1.0 + self.config.hardware.co_run_slowdown * (min(k, n) - 1))
 
     def _schedule_shared_end(self, w: SimWorker) -> None:
         self._schedule_end(w, w.mark + (w.work - w.done) * w.stretch - w.started)
