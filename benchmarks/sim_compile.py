@@ -57,6 +57,9 @@ MODULES = [
     "splitserve/sim/cost_model.py",
     "splitserve/sim/engine.py",
     "splitserve/sim/events.py",
+    "splitserve/sim/kv_moves.py",
+    "splitserve/sim/shared_cores.py",
+    "splitserve/sim/state.py",
     "splitserve/sim/step_log.py",
 ]
 

@@ -100,7 +100,7 @@ def test_every_request_completes_or_is_counted_rejected(dep):
         # A session stops at its first rejected turn, else it ran every turn.
         assert len(rs) == len(spec.turns) or not rs[-1].ok
     assert 0 < rejected < len(records)
-    assert not cluster._requests and not cluster._outputs and not cluster._contexts
+    assert not cluster.requests and not cluster.outputs and not cluster._contexts
     for w in cluster.workers:  # every block back in the pool, no lease left behind
         assert w.engine.block_manager.num_free_blocks == cluster.num_blocks
         assert w.router.in_flight == 0 and not w.engine.scheduler.has_unfinished()

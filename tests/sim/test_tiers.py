@@ -192,7 +192,7 @@ def test_every_request_completes_and_every_block_comes_back_with_tiers(dep, tier
         assert w.router.in_flight == 0 and not w.engine.scheduler.has_unfinished()
         capacities = [blocks for _, blocks in cluster.tier_blocks]
         assert all(h <= c for h, c in zip(tiering.ladder.held(), capacities, strict=True))
-    assert not cluster._requests and not cluster._outputs and not cluster._contexts
+    assert not cluster.requests and not cluster.outputs and not cluster._contexts
 
 
 def test_same_seed_same_run_with_tiers():

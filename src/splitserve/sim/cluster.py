@@ -22,11 +22,10 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 from splitserve.bench.metrics import RequestRecord
 from splitserve.bench.workloads import API_CHAT, SessionSpec
-from splitserve.common.kv_hash import BlockChain, BlockHash, root_hash
+from splitserve.common.kv_hash import BlockChain, root_hash
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerConfig
 from splitserve.engine.sequence import Sequence
@@ -36,9 +35,10 @@ from splitserve.sim.chat import append_prompt, append_reply
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.engine import SimEngine, StepReport
 from splitserve.sim.events import EventQueue
+from splitserve.sim.kv_moves import PREFILL_SUFFIX, KVMoves
+from splitserve.sim.shared_cores import SharedCores
+from splitserve.sim.state import SimRequest, SimStats, SimWorker
 from splitserve.sim.tiers import SimLadder, TierLoad
-
-PREFILL_SUFFIX = "/prefill"
 
 
 @contextlib.contextmanager
@@ -63,61 +63,6 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-@dataclass(slots=True, eq=False)
-class SimWorker:
-    name: str
-    engine: SimEngine
-    router: Worker
-    node: int
-    busy: bool = False
-    started: float = 0.0
-    duration: float = 0.0
-    version: int = 0
-    busy_s: float = 0.0
-    steps: int = 0
-    link_free: float = 0.0  # inbound KV link busy until
-    mover_free: float = 0.0  # lower-tier loads busy until (one at a time, as one mover)
-    calls: list[Callable[[], None]] = field(default_factory=list)
-    in_calls: bool = False
-    # Sharing the host's cores (``host_cores``): the step or run in progress is ``work``
-    # engine seconds, ``done`` of them by wall time ``mark``, at ``stretch`` wall seconds each.
-    work: float = 0.0
-    done: float = 0.0
-    mark: float = 0.0
-    stretch: float = 1.0
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    rid: str
-    session: SessionSpec
-    turn: int
-    # The session's context list itself, not a copy: it grows only after this request ends
-    # (``_finish``), and each of the request's sequences copies it.
-    prompt: list[int]
-    record: RequestRecord
-    info: RequestInfo
-    chain: BlockChain  # the session's, shared by all its sequences (one token stream)
-    decode: SimWorker | None = None
-    prefill: SimWorker | None = None
-    first_step: int = 0  # the decode worker's step count when the first token came
-
-
-@dataclass(slots=True)
-class SimStats:
-    remote_prefills: int = 0
-    local_prefills: int = 0
-    transfer_fallbacks: int = 0
-    kv_blocks_moved: int = 0
-    tier_loads: int = 0
-    tier_blocks_host: int = 0  # blocks loaded into device pools from host RAM
-    tier_blocks_disk: int = 0  # ... from disk
-    peer_fetches: int = 0  # moved turns that pulled KV from their session's home
-    peer_blocks_moved: int = 0
-    peer_nothing: int = 0  # the home held nothing this worker lacked
-    peer_fallbacks: int = 0  # no free blocks for the pull: computed here
-
-
 class Cluster:
     def __init__(self, config: SimConfig, deployment: Deployment) -> None:
         self.config = config
@@ -129,8 +74,8 @@ class Cluster:
         self.num_blocks = config.kv_blocks(self.cost)
         self.max_model_len = self.config.model_len(self.num_blocks)
         self.tier_blocks = config.tier_blocks(self.cost)  # [(tier, capacity in blocks)]
-        self._outputs: dict[str, tuple[int, ...]] = {}
-        self._requests: dict[str, _Request] = {}
+        self.outputs: dict[str, tuple[int, ...]] = {}
+        self.requests: dict[str, SimRequest] = {}
         self._params: dict[int, SamplingParams] = {}
         self.records: list[RequestRecord] = []
         self.prefill_pool = self._pool("prefill", deployment.prefill, 0)
@@ -139,14 +84,19 @@ class Cluster:
         first += deployment.decode
         self.decode_pool += self._pool("both", deployment.collocated, first)
         self.workers = self.prefill_pool + self.decode_pool
-        self._decode_candidates = [w.router for w in self.decode_pool]
+        self.decode_candidates = [w.router for w in self.decode_pool]
         self._prefill_candidates = [w.router for w in self.prefill_pool]
-        self._by_router = {id(w.router): w for w in self.workers}
+        self.by_router = {id(w.router): w for w in self.workers}
         self.decode_policy = config.routing_policy(config.policy)
         self.prefill_policy = config.routing_policy(config.prefill_policy)
         self._sessions: Iterator[SessionSpec] = iter(())
         self._contexts: dict[str, list[int]] = {}
         self._chains: dict[str, BlockChain] = {}
+        self.moves = KVMoves(self)
+        self.cores: SharedCores | None = None
+        if config.host_cores:
+            slowdown = config.hardware.co_run_slowdown
+            self.cores = SharedCores(config.host_cores, slowdown, self.workers, self._schedule_end)
 
     def _pool(self, role: str, count: int, first: int) -> list[SimWorker]:
         per_node = max(1, self.config.hardware.gpus_per_node // self.deployment.tp)
@@ -163,7 +113,7 @@ class Cluster:
                 sched,
                 self.num_blocks,
                 self.config.block_size,
-                self._outputs.__getitem__,
+                self.outputs.__getitem__,
                 exact=self.config.exact,
                 log_steps=self.config.record_itl,
                 tiers=SimLadder(self.tier_blocks) if self.tier_blocks else None,
@@ -211,49 +161,49 @@ class Cluster:
         cached_before = len(context)
         append_prompt(context, turn.segments, self._chat(spec))
         rid = f"{spec.session_id}#{k}"
-        self._outputs[rid] = turn.output_ids
+        self.outputs[rid] = turn.output_ids
         key = spec.session_id if spec.sticky else f"prefix:{hash(tuple(context[:128]))}"
         shared = spec.turns[0].segments[0].token_ids[:128]
         info = RequestInfo(key, f"shared:{hash(shared)}", len(context))
         record = RequestRecord(spec.session_id, k, self.now, prompt_tokens=len(context))
         chain = self._chains[spec.session_id]
-        req = _Request(rid, spec, k, context, record, info, chain)
-        self._requests[rid] = req
+        req = SimRequest(rid, spec, k, context, record, info, chain)
+        self.requests[rid] = req
         self._place(req, len(context) - cached_before)
 
-    def _place(self, req: _Request, new_tokens: int) -> None:
-        d = self._by_router[id(self.decode_policy.select_worker(self._decode_candidates, req.info))]
+    def _place(self, req: SimRequest, new_tokens: int) -> None:
+        d = self.by_router[id(self.decode_policy.select_worker(self.decode_candidates, req.info))]
         req.decode = d
         if self.prefill_pool and self._uncached(req, d, new_tokens) >= (
             self.config.remote_prefill_threshold
         ):
             p_router = self.prefill_policy.select_worker(self._prefill_candidates, req.info)
-            req.prefill = p = self._by_router[id(p_router)]
+            req.prefill = p = self.by_router[id(p_router)]
             p.router.in_flight += 1
-            seq = self._sequence(req.rid + PREFILL_SUFFIX, req, 1, keep_blocks=True)
-            self._outputs[seq.request_id] = self._outputs[req.rid]
-            self._admit(p, seq, req)
+            seq = self.sequence(req.rid + PREFILL_SUFFIX, req, 1, keep_blocks=True)
+            self.outputs[seq.request_id] = self.outputs[req.rid]
+            self.admit(p, seq, req)
             self.stats.remote_prefills += 1
         else:
             d.router.in_flight += 1
-            seq = self._sequence(req.rid, req, len(self._outputs[req.rid]))
-            home = self._peer_home(req, d)
+            seq = self.sequence(req.rid, req, len(self.outputs[req.rid]))
+            home = self.moves.peer_home(req, d)
             if home is None or len(req.prompt) >= self.max_model_len:
-                self._admit(d, seq, req)
+                self.admit(d, seq, req)
             else:
-                self._on_engine(d, lambda: self._peer_local(req, home, d, seq))
+                self.on_engine(d, lambda: self.moves.peer_fetch(req, home, d, seq))
             self.stats.local_prefills += 1
 
-    def _uncached(self, req: _Request, d: SimWorker, new_tokens: int) -> int:
+    def _uncached(self, req: SimRequest, d: SimWorker, new_tokens: int) -> int:
         """The router's estimate: on its home worker a session has everything up to its
         last reply cached (what the previous turn left); elsewhere nothing."""
         if req.turn == 0:
             return len(req.prompt)
-        home = self.decode_policy.home_worker(self._decode_candidates, req.info)
+        home = self.decode_policy.home_worker(self.decode_candidates, req.info)
         return new_tokens if home is d.router else len(req.prompt)
 
-    def _sequence(
-        self, rid: str, req: _Request, max_tokens: int, keep_blocks: bool = False
+    def sequence(
+        self, rid: str, req: SimRequest, max_tokens: int, keep_blocks: bool = False
     ) -> Sequence:
         params = self._params.get(max_tokens)
         if params is None:
@@ -269,13 +219,13 @@ class Cluster:
             chain=req.chain,
         )
 
-    def _admit(self, w: SimWorker, seq: Sequence, req: _Request) -> None:
+    def admit(self, w: SimWorker, seq: Sequence, req: SimRequest) -> None:
         try:
             w.engine.add(seq)
         except ValueError as e:  # prompt over the context limit: the worker answers 400
             w.router.in_flight -= 1
-            self._outputs.pop(seq.request_id, None)
-            self._fail(req, str(e))
+            self.outputs.pop(seq.request_id, None)
+            self.fail(req, str(e))
             return
         self._kick(w)
 
@@ -288,8 +238,8 @@ class Cluster:
         if not w.busy:
             self._begin(w)
         elif w.engine.in_run and (w.calls or w.engine.admission_possible()):
-            if self.config.host_cores:
-                self._cut_shared_run(w)
+            if self.cores is not None:
+                self.cores.cut_run(w, self.now)
                 return
             total = w.engine.interrupt(self.now - w.started)
             if total is not None and total < w.duration:
@@ -313,62 +263,16 @@ class Cluster:
             if duration is not None:
                 w.busy = True
                 w.started = self.now
-                if self.config.host_cores:
-                    self._start_shared(w, duration, was_busy)
+                if self.cores is not None:
+                    self.cores.start(w, duration, was_busy, self.now)
                 else:
                     self._schedule_end(w, duration)
                 return
             if not w.calls:
                 w.busy = False
-                if self.config.host_cores and was_busy:
-                    self._reshare(w)
+                if self.cores is not None and was_busy:
+                    self.cores.stopped(w, self.now)
                 return
-
-    # ---- workers sharing the host's cores (cpu-local, one thread per worker) -------------
-    # Processor sharing: while k workers compute on c cores, each runs at min(1, c / k) of
-    # its own speed. When k changes, the steps in progress stretch or shrink from then on.
-
-    def _start_shared(self, w: SimWorker, work: float, was_busy: bool) -> None:
-        w.work, w.done, w.mark = work, 0.0, self.now
-        if not was_busy:
-            self._reshare(w)
-        w.stretch = self._stretch()
-        self._schedule_shared_end(w)
-
-    def _stretch(self) -> float:
-        """Wall seconds per engine second while ``k`` workers compute on ``n`` cores: the
-        share of a core, ``max(1, k / n)``, times the slowdown of ``min(k, n)`` engines
-        computing at once (``co_run_slowdown`` for each one more)."""
-        n = self.config.host_cores
-        assert n is not None
-        k = sum(1 for x in self.workers if x.busy)
-        return max(1.0, k / n) * (1.0 + self.config.hardware.co_run_slowdown * (min(k, n) - 1))
-
-    def _schedule_shared_end(self, w: SimWorker) -> None:
-        self._schedule_end(w, w.mark + (w.work - w.done) * w.stretch - w.started)
-
-    def _reshare(self, changed: SimWorker) -> None:
-        """``changed`` started or stopped computing: every other busy worker's step goes on
-        at the new share (a decode run ends after its step in progress, and the next step
-        starts at the share of its time)."""
-        stretch = self._stretch()
-        for x in self.workers:
-            if x is changed or not x.busy:
-                continue
-            x.done += (self.now - x.mark) / x.stretch
-            x.mark, x.stretch = self.now, stretch
-            if x.engine.in_run:
-                total = x.engine.interrupt(x.done)
-                if total is not None:
-                    x.work = min(x.work, total)
-            self._schedule_shared_end(x)
-
-    def _cut_shared_run(self, w: SimWorker) -> None:
-        """End ``w``'s decode run after the step in progress."""
-        total = w.engine.interrupt(w.done + (self.now - w.mark) / w.stretch)
-        if total is not None and total < w.work:
-            w.work = total
-            self._schedule_shared_end(w)
 
     def _schedule_end(self, w: SimWorker, duration: float) -> None:
         w.duration = duration
@@ -402,197 +306,30 @@ class Cluster:
 
     def _loaded(self, arg: tuple[SimWorker, TierLoad]) -> None:
         w, load = arg
-        self._on_engine(w, lambda: w.engine.land(load))
+        self.on_engine(w, lambda: w.engine.land(load))
 
-    def _on_engine(self, w: SimWorker, call: Callable[[], None]) -> None:
+    def on_engine(self, w: SimWorker, call: Callable[[], None]) -> None:
         """Run ``call`` on ``w``'s engine between steps."""
         w.calls.append(call)
         self._kick(w)
 
     def _handle(self, w: SimWorker, report: StepReport) -> None:
         for seq in report.first_tokens:
-            req = self._requests.get(seq.request_id)
+            req = self.requests.get(seq.request_id)
             if req is not None:
                 req.record.ttft_s = self.now - req.record.start_s
                 req.first_step = w.engine.steps
         for seq in report.finished:
             if seq.keep_blocks:
-                self._prefilled(w, seq)
+                self.moves.prefilled(w, seq)
             else:
                 self._complete(w, seq)
-
-    # ---- disaggregation: the KV pull -----------------------------------------------------
-
-    def _prefilled(self, p: SimWorker, seq: Sequence) -> None:
-        req = self._requests[seq.request_id.removesuffix(PREFILL_SUFFIX)]
-        del self._outputs[seq.request_id]
-        p.router.in_flight -= 1
-        self.prefill_policy.on_request_complete(p.router, req.info)
-        d = req.decode
-        assert d is not None, "a prefilled request has its decode worker"
-        d.router.in_flight += 1
-        leg = self.config.hardware.remote_leg_s
-        self.events.at(
-            self.now + leg, lambda _: self._on_engine(d, lambda: self._hits(req, p, d, seq))
-        )
-
-    def _hits(self, req: _Request, p: SimWorker, d: SimWorker, kept: Sequence) -> None:
-        """D's engine, between steps: which of the prompt's blocks it holds already. Like the
-        real decode worker's, each of its engine calls waits for its own step boundary."""
-        hits = self._local_blocks(d, kept, req.prompt)
-        self._on_engine(d, lambda: self._pull(req, p, d, kept, hits))
-
-    def _local_blocks(self, d: SimWorker, seq: Sequence, prompt: list[int]) -> int:
-        """The leading reusable blocks of ``prompt`` that ``d`` holds; with lower tiers, those
-        below its pool count too, and their loads start now (they are not pulled)."""
-        bm, tiering = d.engine.block_manager, d.engine.tiering
-        if tiering is not None:
-            held, loading = tiering.prefetch(prompt, self.root)
-            return held + loading
-        usable = bm.reusable_blocks(len(prompt))
-        return len(bm.cached_chain(bm.chain(seq, usable), usable))
-
-    def _pull(self, req: _Request, p: SimWorker, d: SimWorker, kept: Sequence, hits: int) -> None:
-        """D's engine, the next boundary: reserve blocks, start the transfer."""
-        bm = d.engine.block_manager
-        usable = bm.reusable_blocks(len(req.prompt))
-        hashes = kept.block_hashes[:usable]
-        n = usable - hits  # hits evicted since then are recomputed at admission, as for real
-        dest = bm.reserve(n) if n > 0 else None
-        if dest is None:
-            self.stats.transfer_fallbacks += n > 0
-            self._release_lease(p, kept)
-            self._decode_leg(req, d)
-            return
-        start = max(self.now, d.link_free)
-        same_node = p.node == d.node
-        d.link_free = start + self.cost.transfer_time(n * bm.block_size, same_node)
-        self.stats.kv_blocks_moved += n
-        loaded = hashes[hits:usable]
-        self.events.at(
-            d.link_free,
-            lambda _: self._on_engine(d, lambda: self._pulled(req, p, d, kept, dest, loaded, hits)),
-        )
-
-    def _pulled(
-        self,
-        req: _Request,
-        p: SimWorker,
-        d: SimWorker,
-        kept: Sequence,
-        dest: list[int],
-        loaded: list[BlockHash],
-        start: int,
-    ) -> None:
-        d.engine.register(dest, loaded, req.prompt, start)
-        self._release_lease(p, kept)
-        self._decode_leg(req, d)
-
-    def _release_lease(self, p: SimWorker, kept: Sequence) -> None:
-        self._release(p, kept.block_table)
-
-    def _release(self, w: SimWorker, block_ids: list[int]) -> None:
-        """A lease on ``block_ids`` ends at ``w``'s next step boundary."""
-
-        def release() -> None:
-            w.engine.block_manager.release(block_ids)
-            w.engine.blocks_released()
-
-        self._on_engine(w, release)
-
-    def _decode_leg(self, req: _Request, d: SimWorker) -> None:
-        seq = self._sequence(req.rid, req, len(self._outputs[req.rid]))
-        try:
-            d.engine.add(seq)
-        except ValueError as e:
-            d.router.in_flight -= 1
-            self._fail(req, str(e))
-
-    # ---- peer KV fetch: a moved turn pulls its session's KV from the home ----------------
-
-    def _peer_home(self, req: _Request, d: SimWorker) -> SimWorker | None:
-        """The session's home, when the ring placed this turn on another worker and the
-        router names the home to pull from (``kv_peer_fetch``)."""
-        if not self.config.kv_peer_fetch:
-            return None
-        home = self.decode_policy.home_worker(self._decode_candidates, req.info)
-        return None if home is None or home is d.router else self._by_router[id(home)]
-
-    def _peer_local(self, req: _Request, home: SimWorker, d: SimWorker, seq: Sequence) -> None:
-        """D's engine: what it holds of the prompt. With all it could reuse held here, the
-        request runs at once; else D asks the home for a lease on what the home holds."""
-        usable = d.engine.block_manager.reusable_blocks(len(req.prompt))
-        local = self._local_blocks(d, seq, req.prompt) if usable else 0
-        if local >= usable:
-            self._admit(d, seq, req)
-            return
-        half = self.config.hardware.peer_lease_s / 2  # the lease request, then its answer
-        self.events.at(
-            self.now + half,
-            lambda _: self._on_engine(home, lambda: self._peer_lease(req, home, d, seq, local)),
-        )
-
-    def _peer_lease(
-        self, req: _Request, home: SimWorker, d: SimWorker, seq: Sequence, local: int
-    ) -> None:
-        """The home's engine: one reference on each block of the prompt's leading cached run
-        in its pool (the real ``lease_prefix``); the answer travels back to D."""
-        bm = home.engine.block_manager
-        usable = bm.reusable_blocks(len(req.prompt))
-        leased = bm.take_cached(bm.chain(seq, usable).hashes[:usable], req.prompt)
-        half = self.config.hardware.peer_lease_s / 2
-        self.events.at(
-            self.now + half,
-            lambda _: self._on_engine(d, lambda: self._peer_pull(req, home, d, seq, local, leased)),
-        )
-
-    def _peer_pull(
-        self,
-        req: _Request,
-        home: SimWorker,
-        d: SimWorker,
-        seq: Sequence,
-        local: int,
-        leased: list[int],
-    ) -> None:
-        """D's engine: reserve blocks for what the home lent beyond what D holds, and pull
-        them; with nothing new, or no free blocks, the request computes its prompt here."""
-        s, n = self.stats, len(leased) - local
-        if n <= 0:
-            s.peer_nothing += 1
-            self._peer_done(req, home, d, seq, leased)
-            return
-        bm = d.engine.block_manager
-        dest = bm.reserve(n)
-        if dest is None:
-            s.peer_fallbacks += 1
-            self._peer_done(req, home, d, seq, leased)
-            return
-        start = max(self.now, d.link_free)
-        d.link_free = start + self.cost.transfer_time(n * bm.block_size, home.node == d.node)
-        s.peer_fetches += 1
-        s.peer_blocks_moved += n
-        hashes = bm.chain(seq, len(leased)).hashes[local : len(leased)]
-
-        def land() -> None:
-            d.engine.register(dest, hashes, req.prompt, local)
-            self._peer_done(req, home, d, seq, leased)
-
-        self.events.at(d.link_free, lambda _: self._on_engine(d, land))
-
-    def _peer_done(
-        self, req: _Request, home: SimWorker, d: SimWorker, seq: Sequence, leased: list[int]
-    ) -> None:
-        """The lease ends (at the home's next step boundary) and the request runs on D."""
-        if leased:
-            self._release(home, leased)
-        self._admit(d, seq, req)
 
     # ---- endings -------------------------------------------------------------------------
 
     def _complete(self, d: SimWorker, seq: Sequence) -> None:
-        req = self._requests.pop(seq.request_id)
-        del self._outputs[seq.request_id]
+        req = self.requests.pop(seq.request_id)
+        del self.outputs[seq.request_id]
         d.router.in_flight -= 1
         self.decode_policy.on_request_complete(d.router, req.info)
         r = req.record
@@ -605,14 +342,14 @@ class Cluster:
             r.itl_s = log.durations(req.first_step, d.engine.steps)
         self._finish(req, seq.output_token_ids)
 
-    def _fail(self, req: _Request, error: str) -> None:
-        self._requests.pop(req.rid, None)
-        self._outputs.pop(req.rid, None)
+    def fail(self, req: SimRequest, error: str) -> None:
+        self.requests.pop(req.rid, None)
+        self.outputs.pop(req.rid, None)
         req.record.error = error
         req.record.e2e_s = self.now - req.record.start_s
         self._finish(req, None)
 
-    def _finish(self, req: _Request, output: list[int] | None) -> None:
+    def _finish(self, req: SimRequest, output: list[int] | None) -> None:
         """Record the request; release the session's next turn after its pause."""
         self.records.append(req.record)
         spec, k = req.session, req.turn
