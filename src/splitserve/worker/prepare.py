@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
 
 from splitserve.common.protocol import (
     ChatCompletionRequest,
@@ -20,7 +23,9 @@ from splitserve.common.protocol import (
     _SamplingFields,
 )
 from splitserve.common.sampling_params import InvalidParameter, SamplingParams
-from splitserve.worker.errors import APIError, bad_request
+from splitserve.worker.errors import APIError, bad_request, from_validation_error
+
+M = TypeVar("M", bound=BaseModel)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Below this a temperature only produces overflowing logits; treat it as greedy (as vLLM does).
@@ -201,3 +206,23 @@ def model_not_found(name: str) -> APIError:
     return APIError(
         404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
     )
+
+
+async def parse_body(request: Request, schema: type[M]) -> M:
+    """The request's JSON body validated as ``schema``; a clear 400 for anything else."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        # Lone surrogates (legal in JSON escapes) would crash the tokenizer's UTF-8 encoder.
+        json.dumps(body, ensure_ascii=False).encode()
+    except (UnicodeEncodeError, RecursionError, ValueError) as e:
+        raise bad_request(f"the request body is not valid UTF-8 text: {e}") from e
+    try:
+        return schema.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from e

@@ -1,44 +1,49 @@
-"""The worker's HTTP server: the OpenAI API, ``/health``, ``/load`` and ``/metrics``."""
+"""The worker's HTTP server: the OpenAI API, ``/health``, ``/load`` and ``/metrics`` (the KV
+routes and a request's KV transfer: ``worker.kv_api``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
-import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
 
 from splitserve.common.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    KVPrefetchRequest,
     ModelCard,
     ModelList,
     make_id,
 )
 from splitserve.common.sampling_params import InvalidParameter
-from splitserve.engine.outputs import RequestOutput
 from splitserve.worker.async_engine import AsyncEngine, EngineError, EngineLike, QueueFull
-from splitserve.worker.disagg import DecodeSide, DisaggConfig, KVLoadFailed, PrefillSide
-from splitserve.worker.errors import APIError, bad_request, from_validation_error, install_handlers
+from splitserve.worker.disagg import DisaggConfig
+from splitserve.worker.errors import APIError, bad_request, install_handlers
+from splitserve.worker.kv_api import (
+    KVSides,
+    kv_routes,
+    kv_transfer,
+    retention,
+    session_of,
+    tool_call_pin,
+)
 from splitserve.worker.metrics import WorkerMetrics
-from splitserve.worker.peer import PeerKV, peer_url
 from splitserve.worker.prepare import (
     EngineInput,
+    M,
     ModelInfo,
     chat_input,
     completion_input,
     model_not_found,
     offers_tools,
+    parse_body,
 )
 from splitserve.worker.responses import (
     SSEResponse,
@@ -50,7 +55,6 @@ from splitserve.worker.responses import (
 from splitserve.worker.tier_metrics import TierCollector
 
 log = logging.getLogger(__name__)
-M = TypeVar("M", bound=BaseModel)
 # How long a stopping worker waits for pending KV tier copies and disk writes.
 TIER_FLUSH_S = 5.0
 T = TypeVar("T")
@@ -81,7 +85,7 @@ def create_app(
     )
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     metrics = WorkerMetrics(lambda: async_engine.load)
-    kv = _KVSides.build(disagg or DisaggConfig(), engine, async_engine, metrics, api_key)
+    kv = KVSides.build(disagg or DisaggConfig(), engine, async_engine, metrics, api_key)
     if getattr(engine, "tiering", None) is not None:
         TierCollector(engine, metrics.registry)
 
@@ -101,58 +105,10 @@ def create_app(
     app.state.metrics = metrics
     install_handlers(app)
     app.include_router(_open_routes(async_engine, metrics))
-    app.include_router(
-        _api_routes(async_engine, metrics, model, kv), dependencies=[Depends(_auth(api_key))]
-    )
+    auth = [Depends(_auth(api_key))]
+    app.include_router(_api_routes(async_engine, metrics, model, kv), dependencies=auth)
+    app.include_router(kv_routes(async_engine, model, kv), dependencies=auth)
     return app
-
-
-class _KVSides:
-    """The disaggregation halves this worker runs: a prefill worker serves kept KV, a decode
-    worker pulls it; a collocated worker with a cluster secret can do both. ``server`` is the
-    KV data plane (also a peer-lending decode worker's); ``prefill`` is set only where it
-    takes prefill legs."""
-
-    def __init__(
-        self,
-        server: PrefillSide | None,
-        decode: DecodeSide | None,
-        peer: PeerKV | None = None,
-        prefill_legs: bool = True,
-    ) -> None:
-        self.server, self.decode, self.peer = server, decode, peer
-        self.prefill = server if prefill_legs else None
-
-    @classmethod
-    def build(
-        cls,
-        cfg: DisaggConfig,
-        engine: Any,
-        calls: AsyncEngine,
-        metrics: WorkerMetrics,
-        api_key: str | None = None,
-    ) -> _KVSides:
-        if not cfg.secret:
-            return cls(None, None)
-        server = PrefillSide(cfg, engine, calls, metrics) if cfg.serves_kv else None
-        decode = DecodeSide(cfg, engine, calls, metrics) if cfg.role != "prefill" else None
-        peer = None
-        if cfg.peer and server is not None and decode is not None:
-            peer = PeerKV(cfg, server, decode, calls, metrics, api_key)
-        return cls(server, decode, peer, prefill_legs=cfg.role != "decode")
-
-    def start(self) -> None:
-        if self.server is not None:
-            self.server.start()
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-        if self.peer is not None:
-            await self.peer.close()
-
-    def leased_blocks(self) -> int:
-        return self.server.leases.leased_blocks() if self.server is not None else 0
 
 
 def _auth(api_key: str | None):
@@ -189,7 +145,7 @@ def _open_routes(async_engine: AsyncEngine, metrics: WorkerMetrics) -> APIRouter
 
 
 def _api_routes(
-    async_engine: AsyncEngine, metrics: WorkerMetrics, model: ModelInfo, kv: _KVSides
+    async_engine: AsyncEngine, metrics: WorkerMetrics, model: ModelInfo, kv: KVSides
 ) -> APIRouter:
     router = APIRouter()
 
@@ -210,121 +166,21 @@ def _api_routes(
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model.name, max_model_len=model.max_model_len)])
 
-    @router.post("/v1/kv/prefetch")
-    async def prefetch(request: Request) -> dict[str, Any]:
-        ids = await _prefetch_ids(request, model)
-        engine = async_engine.engine
-        if getattr(engine, "prefetch", None) is None:
-            return {"object": "kv.prefetch", "blocks": 0}
-        try:
-            blocks = await async_engine.call(lambda e: e.prefetch(ids))
-        except EngineError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from e
-        return {"object": "kv.prefetch", "blocks": blocks}
-
-    @router.post("/v1/kv/lease")
-    async def lease(request: Request) -> dict[str, Any]:
-        ids = await _prefetch_ids(request, model)
-        if kv.peer is None:
-            raise APIError(
-                404,
-                "this worker does not lend KV to peers (start it with --kv-peer)",
-                code="kv_peer_disabled",
-            )
-        try:
-            return await kv.peer.lease(ids)
-        except EngineError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from e
-
     @router.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = _check_model(await _parse(request, ChatCompletionRequest), model)
+        req = _check_model(await parse_body(request, ChatCompletionRequest), model)
         return await _serve(
             request, req, chat_input(req, model), True, model, async_engine, metrics, kv
         )
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = _check_model(await _parse(request, CompletionRequest), model)
+        req = _check_model(await parse_body(request, CompletionRequest), model)
         return await _serve(
             request, req, completion_input(req, model), False, model, async_engine, metrics, kv
         )
 
     return router
-
-
-async def _parse(request: Request, schema: type[M]) -> M:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        # Lone surrogates (legal in JSON escapes) would crash the tokenizer's UTF-8 encoder.
-        json.dumps(body, ensure_ascii=False).encode()
-    except (UnicodeEncodeError, RecursionError, ValueError) as e:
-        raise bad_request(f"the request body is not valid UTF-8 text: {e}") from e
-    try:
-        return schema.model_validate(body)
-    except ValidationError as e:
-        raise from_validation_error(e) from e
-
-
-async def _prefetch_ids(request: Request, model: ModelInfo) -> list[int]:
-    """The prompt a prefetch hint names: token ids, or a chat or completion request body."""
-    hint = await _parse(request, KVPrefetchRequest)
-    if hint.prompt_token_ids is not None:
-        ids = hint.prompt_token_ids
-    elif hint.messages is not None:
-        ids = chat_input(await _parse(request, ChatCompletionRequest), model).prompt_token_ids
-    elif hint.prompt is not None:
-        ids = completion_input(await _parse(request, CompletionRequest), model).prompt_token_ids
-    else:
-        raise bad_request("name the prompt: prompt_token_ids, messages or prompt")
-    if not ids or any(t < 0 or t >= model.vocab_size for t in ids):
-        raise bad_request(
-            f"prompt_token_ids must be non-empty, each in [0, {model.vocab_size})",
-            param="prompt_token_ids",
-        )
-    return ids
-
-
-def _retention(req: ChatCompletionRequest | CompletionRequest, request: Request, engine: Any):
-    """``add_request`` keywords for the ``kv_retention`` extension (none when absent)."""
-    if req.kv_retention is None:
-        return {}
-    tiers = engine.config.kv_tiers
-    ttl = req.kv_retention.ttl_s
-    ttl = tiers.retention_ttl_s if ttl is None else ttl
-    if ttl > tiers.retention_max_ttl_s:
-        raise bad_request(
-            f"kv_retention.ttl_s may be at most {tiers.retention_max_ttl_s:g} seconds",
-            param="kv_retention.ttl_s",
-        )
-    return {"retention_s": ttl, "session_id": _session_of(req, request)}
-
-
-def _session_of(req: ChatCompletionRequest | CompletionRequest, request: Request) -> str | None:
-    """The session a request belongs to, for retention quotas: as the router keys it."""
-    return request.headers.get("x-session-id") or req.user
-
-
-def _tool_call_pin(
-    async_engine: AsyncEngine, session: str
-) -> Callable[[RequestOutput], Awaitable[None]]:
-    """What to do when a reply called tools: keep the session's KV pinned in the device pool
-    for the default TTL, since the session returns with the tool's result."""
-
-    async def pin(out: RequestOutput) -> None:
-        ids = out.prompt_token_ids + out.outputs[0].token_ids
-        try:
-            await async_engine.call(lambda e: e.retain_prefix(ids, session))
-        except EngineError:
-            log.warning("could not pin the KV of session %s after its tool calls", session)
-
-    return pin
 
 
 def _check_model(req: M, model: ModelInfo) -> M:
@@ -342,15 +198,15 @@ async def _serve(
     model: ModelInfo,
     async_engine: AsyncEngine,
     metrics: WorkerMetrics,
-    kv: _KVSides,
+    kv: KVSides,
 ) -> Response:
     request_id = make_id("chatcmpl" if chat else "cmpl")
     tools = chat and offers_tools(req)  # type: ignore[arg-type]
-    options = _retention(req, request, async_engine.engine)
+    options = retention(req, request, async_engine.engine)
     on_tool_calls = None
     if tools and hasattr(async_engine.engine, "retain_prefix"):
-        on_tool_calls = _tool_call_pin(async_engine, _session_of(req, request) or request_id)
-    inp, keep = await _kv_transfer(req, inp, kv)
+        on_tool_calls = tool_call_pin(async_engine, session_of(req, request) or request_id)
+    inp, keep = await kv_transfer(req, inp, kv)
     try:
         stream = await async_engine.add(
             request_id, inp.prompt_token_ids, inp.params, inp.prompt, keep_blocks=keep, **options
@@ -393,59 +249,6 @@ async def _serve(
     else:
         response = completion_response(request_id, model.name, out, params, req.return_token_ids)
     return JSONResponse(response.model_dump())
-
-
-async def _kv_transfer(
-    req: ChatCompletionRequest | CompletionRequest, inp: EngineInput, kv: _KVSides
-) -> tuple[EngineInput, bool]:
-    """Apply the request's ``kv_transfer_params``: a prefill leg computes one token and keeps
-    the KV (returns keep=True); a decode leg first pulls the prompt's KV from the prefill
-    worker. Without them, a turn naming a ``kv_peer`` first pulls what that peer holds of
-    the prompt's KV. Without either, nothing changes."""
-    peer = _peer_hint(req)
-    params = req.kv_transfer_params or {}
-    if params.get("do_remote_decode"):
-        if kv.prefill is None:
-            raise bad_request(
-                "this worker does not serve remote decodes (it is not a prefill worker "
-                "with a cluster secret)",
-                param="kv_transfer_params",
-            )
-        if req.stream:
-            raise bad_request("a prefill leg cannot stream", param="stream")
-        one = dataclasses.replace(inp.params, max_tokens=1)
-        return dataclasses.replace(inp, params=one), True
-    if params.get("do_remote_prefill"):
-        await _import_prefill(params, inp, kv)
-    elif peer is not None and kv.peer is not None:
-        # A worker without the feature ignores the hint: it is only ever a shortcut.
-        await kv.peer.fetch(inp.prompt_token_ids, peer)
-    return inp, False
-
-
-async def _import_prefill(params: dict[str, Any], inp: EngineInput, kv: _KVSides) -> None:
-    """A decode leg: pull the prompt's KV from the prefill worker that computed it."""
-    if kv.decode is None:
-        raise bad_request(
-            "this worker cannot load remote KV (it has no cluster secret)",
-            param="kv_transfer_params",
-        )
-    try:
-        await kv.decode.import_kv(inp.prompt_token_ids, dict(params))
-    except ValueError as e:
-        raise bad_request(str(e), param="kv_transfer_params") from e
-    except KVLoadFailed as e:
-        raise APIError(502, str(e), code="kv_load_failed") from e
-
-
-def _peer_hint(req: ChatCompletionRequest | CompletionRequest) -> str | None:
-    """The home worker a moved turn names (``kv_peer``), checked."""
-    if req.kv_peer is None:
-        return None
-    try:
-        return peer_url(req.kv_peer)
-    except ValueError as e:
-        raise bad_request(str(e), param="kv_peer") from e
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
