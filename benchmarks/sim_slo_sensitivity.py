@@ -1,0 +1,86 @@
+"""How much the small validation case's goodput moves when the machine is a few percent
+faster or slower than its calibration: the simulated case of ``tests/sim/test_validate.py``
+with every step scaled by 0.9-1.1, for several objectives in units of a lone prefill and a
+lone decode step. An objective that sits where requests crowd makes a 15% comparison of
+goodput a coin toss; this finds ones that do not.
+
+    .venv/bin/python benchmarks/sim_slo_sensitivity.py --calibration benchmarks/out/cal-q2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from splitserve.bench.workloads import RandomConfig
+from splitserve.config import EngineConfig
+from splitserve.sim.cost_model import StepShape
+from splitserve.sim.deployment import Deployment, SimConfig
+from splitserve.sim.hardware import HardwareProfile, get_hardware, load_calibration
+from splitserve.sim.models import get_model
+from splitserve.sim.run import SimResult, simulate
+
+SCALES = (0.9, 0.95, 1.0, 1.05, 1.1)
+OBJECTIVES = ((2.5, 3.0), (1.75, 4.0), (1.75, 3.5), (1.5, 4.0))  # (TTFT prefills, TPOT steps)
+
+
+def slower(hw: HardwareProfile, scale: float) -> HardwareProfile:
+    """``hw`` with every step ``scale`` times as long (peaks divided, overheads multiplied)."""
+    return hw.with_fit(
+        peak_flops={k: v / scale for k, v in hw.peak_flops.items()},
+        hbm_bw=hw.hbm_bw / scale,
+        step_overhead_s=hw.step_overhead_s * scale,
+        seq_overhead_s=hw.seq_overhead_s * scale,
+        multi_row_overhead_s=hw.multi_row_overhead_s * scale,
+    )
+
+
+def run(hw: HardwareProfile, duration: float, rate: float) -> SimResult:
+    eng = EngineConfig()
+    cfg = SimConfig(
+        get_model("smollm2-135m"),
+        hw,
+        dtype="fp32",
+        block_size=eng.block_size,
+        kv_cache_gb=eng.kv_cache_gb,
+        max_num_seqs=eng.max_num_seqs,
+        max_num_batched_tokens=eng.max_num_batched_tokens,
+    )
+    workload = RandomConfig(input_len=64, output_len=8, seed=1)
+    return simulate(cfg, Deployment(collocated=1), workload, rate, duration)
+
+
+def met(result: SimResult, ttft_s: float, tpot_s: float) -> int:
+    def tpot(r) -> float:
+        return (r.e2e_s - r.ttft_s) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+
+    return sum(1 for r in result.records if r.ok and r.ttft_s <= ttft_s and tpot(r) <= tpot_s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calibration", required=True)
+    ap.add_argument("--rate", type=float, default=1.25)
+    ap.add_argument("--durations", type=float, nargs="+", default=[16.0, 48.0])
+    args = ap.parse_args()
+    hw = load_calibration(get_hardware("cpu-local"), args.calibration)
+    cost = run(hw, 1.0, args.rate).cluster.cost
+    prefill = cost.step_time(StepShape(64, 1, 64 * 65 / 2, 64, 1))
+    decode = cost.step_time(StepShape(1, 1, 65, 65, 1))
+    print(f"lone prefill {1000 * prefill:.1f} ms, lone decode step {1000 * decode:.1f} ms")
+    print("requests meeting both objectives, relative to the calibrated speed, steps scaled by")
+    print(
+        f"{'requests':>9} {'TTFT':>5} {'TPOT':>5} {'met':>6}  "
+        + "  ".join(f"{s:>4}" for s in SCALES)
+    )
+    for duration in args.durations:
+        runs = {s: run(slower(hw, s), duration, args.rate) for s in SCALES}
+        n = len(runs[1.0].records)
+        for tt, tp in OBJECTIVES:
+            base = met(runs[1.0], tt * prefill, tp * decode)
+            ratios = (met(r, tt * prefill, tp * decode) / max(base, 1) for r in runs.values())
+            line = "  ".join(f"{r:.2f}" for r in ratios)
+            print(f"{n:>9} {tt:>5g} {tp:>5g} {base:>3}/{n:<2}  {line}")
+
+
+if __name__ == "__main__":
+    main()
