@@ -7,6 +7,14 @@ import os
 import sys
 
 from splitserve.bench.cli import add_bench_parser
+from splitserve.cli_kv import (
+    add_kv_tier_args,
+    add_kv_transfer_args,
+    cmd_keygen,
+    disagg_config,
+    tier_config,
+    tier_worker_args,
+)
 from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S as DEFAULT_PEER_TIMEOUT_S
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SCHEDULING_POLICIES
@@ -90,10 +98,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from splitserve.config import EngineConfig
     from splitserve.worker.main import run_worker
 
-    disagg = _disagg_config(args)
+    disagg = disagg_config(args)
     config = EngineConfig.from_kwargs(
         model=args.model,
-        kv_tiers=_tier_config(args),
+        kv_tiers=tier_config(args),
         kv_cache_shm=disagg.shares_kv_cache,
         **_engine_options(args),
     )
@@ -108,174 +116,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
         disagg=disagg,
     )
     return 0
-
-
-# The KV tier flags: (flag, KVTierConfig field). ``serve`` passes the same flags on.
-_TIER_FLAGS = (
-    ("--host-kv-gb", "host_kv_gb"),
-    ("--disk-kv-dir", "disk_kv_dir"),
-    ("--disk-kv-gb", "disk_kv_gb"),
-    ("--kv-encryption-key-file", "encryption_key_file"),
-    ("--kv-retention-ttl-s", "retention_ttl_s"),
-    ("--kv-retention-max-ttl-s", "retention_max_ttl_s"),
-    ("--kv-retention-quota", "retention_quota"),
-    ("--kv-retention-max-pinned", "retention_max_pinned"),
-)
-
-
-def _add_kv_tier_args(p: argparse.ArgumentParser) -> None:
-    from splitserve.config import KVTierConfig
-
-    d = KVTierConfig()
-    g = p.add_argument_group("KV tiers (see docs/kv-tiers.md)")
-    g.add_argument("--host-kv-gb", type=float, default=d.host_kv_gb, help="host-RAM KV tier size")
-    g.add_argument("--disk-kv-dir", default=None, help="directory of the disk KV tier (persists)")
-    g.add_argument("--disk-kv-gb", type=float, default=d.disk_kv_gb, help="disk KV tier size")
-    g.add_argument(
-        "--kv-encryption-key-file", default=None, help="encrypt the disk tier (splitserve keygen)"
-    )
-    g.add_argument(
-        "--kv-retention-ttl-s",
-        type=float,
-        default=d.retention_ttl_s,
-        help="seconds a session's KV stays pinned after tool calls or kv_retention {}",
-    )
-    g.add_argument(
-        "--kv-retention-max-ttl-s",
-        type=float,
-        default=d.retention_max_ttl_s,
-        help="the longest kv_retention.ttl_s a request may ask for",
-    )
-    g.add_argument(
-        "--kv-retention-quota",
-        type=float,
-        default=d.retention_quota,
-        help="blocks one session may pin, as a fraction of the device pool",
-    )
-    g.add_argument(
-        "--kv-retention-max-pinned",
-        type=float,
-        default=d.retention_max_pinned,
-        help="blocks all sessions together may pin, as a fraction of the device pool",
-    )
-
-
-def _tier_config(args: argparse.Namespace):
-    """The tier flags as a config; a bad key file fails here, before the model loads."""
-    from splitserve.config import KVTierConfig
-    from splitserve.kvstore import load_key
-
-    cfg = KVTierConfig(**{field: getattr(args, field_of(flag)) for flag, field in _TIER_FLAGS})
-    if cfg.encryption_key_file is not None:
-        load_key(cfg.encryption_key_file)
-    return cfg
-
-
-def field_of(flag: str) -> str:
-    return flag.removeprefix("--").replace("-", "_")
-
-
-def _tier_worker_args(args: argparse.Namespace) -> list[str]:
-    """The tier flags given to ``serve``, for its workers' command lines."""
-    out: list[str] = []
-    for flag, _ in _TIER_FLAGS:
-        value = getattr(args, field_of(flag))
-        if value is not None:
-            out += [flag, str(value)]
-    return out
-
-
-def cmd_keygen(args: argparse.Namespace) -> int:
-    from splitserve.kvstore import generate_key
-
-    try:
-        path = generate_key(args.path)
-    except OSError as e:
-        raise ValueError(f"cannot write the key file {args.path}: {e.strerror}") from e
-    print(f"wrote a new 256-bit KV encryption key to {path} (mode 600)")
-    return 0
-
-
-def _disagg_config(args: argparse.Namespace):
-    from splitserve.worker.disagg import DisaggConfig
-
-    return DisaggConfig(
-        role=args.role,
-        transport=args.kv_transport,
-        kv_host=args.kv_host or args.host,
-        kv_port=args.kv_port,
-        secret=_read_secret(args.kv_secret_file),
-        encrypt=args.kv_encrypt,
-        shm_checksums=args.kv_shm_checksums,
-        lease_ttl_s=args.kv_lease_ttl,
-        failure_policy=args.kv_load_failure_policy,
-        fault=args.kv_test_fault,
-        peer=args.kv_peer,
-        peer_timeout_s=args.kv_peer_timeout,
-    )
-
-
-def _read_secret(path: str | None) -> bytes:
-    """The cluster secret for KV transfers: from a file, else $SPLITSERVE_KV_SECRET."""
-    if path is None:
-        return os.environ.get("SPLITSERVE_KV_SECRET", "").encode()
-    try:
-        with open(path, "rb") as f:
-            secret = f.read().strip()
-    except OSError as e:
-        raise ValueError(f"cannot read the KV secret file {path}: {e.strerror}") from e
-    if not secret:
-        raise ValueError(f"the KV secret file {path} is empty")
-    return secret
-
-
-def _add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--kv-transport",
-        default="tcp",
-        choices=["tcp", "shm"],
-        help="how a prefill worker serves KV blocks (shm: same host only)",
-    )
-    p.add_argument("--kv-host", default=None, help="KV transfer bind address (default: --host)")
-    p.add_argument("--kv-port", type=int, default=0, help="KV transfer port (default: any free)")
-    p.add_argument(
-        "--kv-secret-file",
-        default=None,
-        help="cluster secret for KV transfers (default: $SPLITSERVE_KV_SECRET)",
-    )
-    p.add_argument("--kv-encrypt", action="store_true", help="encrypt KV payloads (AES-GCM)")
-    p.add_argument(
-        "--kv-shm-checksums",
-        action="store_true",
-        help="checksum shm transfers too (off: leased blocks cannot change under the copy)",
-    )
-    p.add_argument(
-        "--kv-lease-ttl",
-        type=float,
-        default=30.0,
-        help="seconds a prefill worker holds KV for a decode worker to pull",
-    )
-    p.add_argument(
-        "--kv-load-failure-policy",
-        default="recompute",
-        choices=["recompute", "fail"],
-        help="when a KV pull fails: prefill locally (default) or fail the request",
-    )
-    p.add_argument(
-        "--kv-peer",
-        action="store_true",
-        help="peer KV fetch: lend cached KV to other workers (POST /v1/kv/lease) and pull a "
-        "moved session's KV from the home worker a request names (kv_peer); needs the secret",
-    )
-    p.add_argument(
-        "--kv-peer-timeout",
-        type=float,
-        default=DEFAULT_PEER_TIMEOUT_S,
-        metavar="SECONDS",
-        help="how long to wait for a peer's lease answer before computing locally "
-        f"(default {DEFAULT_PEER_TIMEOUT_S:g})",
-    )
-    p.add_argument("--kv-test-fault", default=None, help=argparse.SUPPRESS)
 
 
 def serve_topology(args: argparse.Namespace):
@@ -307,7 +147,7 @@ def serve_worker_args(args: argparse.Namespace) -> list[str]:
     """The engine and tier flags ``serve`` passes to every worker it starts."""
     worker_args = ["--dtype", args.dtype, "--kv-cache-gb", str(args.kv_cache_gb)]
     worker_args += ["--scheduling-policy", args.scheduling_policy]
-    worker_args += _tier_worker_args(args)
+    worker_args += tier_worker_args(args)
     for flag, value in (
         ("--threads", args.threads),
         ("--max-model-len", args.max_model_len),
@@ -325,7 +165,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from splitserve.config import EngineConfig
 
     topology = serve_topology(args)
-    _tier_config(args)  # bad tier flags fail here, not in every worker
+    tier_config(args)  # bad tier flags fail here, not in every worker
     EngineConfig.from_kwargs(**_engine_options(args))  # and bad engine options
     return serve(
         host=args.host,
@@ -381,8 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_server_args(worker)
     _add_engine_args(worker)
-    _add_kv_transfer_args(worker)
-    _add_kv_tier_args(worker)
+    add_kv_transfer_args(worker)
+    add_kv_tier_args(worker)
     worker.set_defaults(func=cmd_worker)
 
     serve = sub.add_parser(
@@ -443,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_server_args(serve)
     _add_engine_args(serve)
-    _add_kv_tier_args(serve)
+    add_kv_tier_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     keygen = sub.add_parser("keygen", help="write a new key for --kv-encryption-key-file")
