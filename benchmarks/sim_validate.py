@@ -163,12 +163,7 @@ def against_bench(args, workload, slo: SLO) -> None:
     with open(args.bench_json) as f:
         runs = json.load(f)
     table = []
-    index: dict[tuple[str, int], int] = {}
-    for run in runs:
-        # `bench compare` replays seed + i for the i-th load of each deployment, the same
-        # seeds in every repeat (`--repeats`).
-        key = (run["deployment"], run.get("repeat", 1))
-        i = index[key] = index.get(key, -1) + 1
+    for run, i in zip(runs, load_indices(runs), strict=True):
         wl = dataclasses.replace(workload, seed=workload.seed + i)
         check_workload(run, wl)
         dep, settings = simulated_system(run)
@@ -184,6 +179,18 @@ def against_bench(args, workload, slo: SLO) -> None:
         print_rows(real, sim)
         table.append((run["deployment"], run["rate"], real, sim))
     print_markdown(table)
+
+
+def load_indices(runs: list[dict]) -> list[int]:
+    """Each run's load index in its sweep: `bench compare` replays seed + i for the i-th
+    load of each deployment, with the same seeds in every repeat (`--repeats`)."""
+    seen: dict[tuple[str, int], int] = {}
+    out = []
+    for run in runs:
+        key = (run["deployment"], run.get("repeat", 1))
+        seen[key] = seen.get(key, -1) + 1
+        out.append(seen[key])
+    return out
 
 
 def chats(workload) -> bool:
