@@ -168,6 +168,11 @@ def test_the_co_run_slowdown_is_stored_and_kept_by_refit(tmp_path):
     )
 
 
+def test_co_run_needs_a_core_for_each_engine_thread(capsys):
+    assert main(["sim", "calibrate", "--co-run", "--threads", "64"]) == 2
+    assert "needs 128 cores" in capsys.readouterr().err
+
+
 def _idle(threads: int, ready, stop) -> None:
     ready.set()
     stop.wait(60)

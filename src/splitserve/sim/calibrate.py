@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import json
 import multiprocessing
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -327,6 +328,12 @@ def peak_cost_model() -> CostModel:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    cores = os.cpu_count() or 1
+    if args.co_run and not args.refit and 2 * args.threads > cores:
+        raise ValueError(
+            f"--co-run times two engines of --threads {args.threads} at once, which needs "
+            f"{2 * args.threads} cores; this machine has {cores}"
+        )
     cost = peak_cost_model()
     co_run: list[Sample] = []
     if args.refit:
