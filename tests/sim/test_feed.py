@@ -4,6 +4,7 @@ and the process never outlives its block (normal end, an error, Ctrl-C, the run 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -151,3 +152,33 @@ def test_the_child_ends_when_the_run_is_killed():
     proc.kill()
     proc.communicate(timeout=30)
     assert _gone(child)  # its pipe closed: the next send fails and it returns
+
+
+def test_sim_gen_workers_gives_the_same_run(tmp_path, capsys):
+    from splitserve.cli import main
+
+    outs = []
+    for workers in ("0", "1"):
+        out = tmp_path / f"run{workers}.json"
+        args = ["sim", "--workload", "agentic", "--rate", "4", "--duration", "5"]
+        assert (
+            main(
+                [
+                    *args,
+                    "--prefill",
+                    "1",
+                    "--decode",
+                    "2",
+                    "--gen-workers",
+                    workers,
+                    "--json",
+                    str(out),
+                ]
+            )
+            == 0
+        )
+        outs.append(json.loads(out.read_text())[0]["requests"])
+    assert outs[0] == outs[1] and len(outs[0]) > 40
+    with pytest.raises(SystemExit):
+        main(["sim", "--rate", "1", "--gen-workers", "2"])
+    assert "invalid choice" in capsys.readouterr().err
