@@ -114,30 +114,26 @@ def fed_sessions(workload: Workload, rate: float | None) -> Iterator[Iterator[Se
     process; it is stopped when the block ends."""
     if not isinstance(workload, FED_WORKLOADS):
         raise ValueError(f"sessions drawn ahead need a seeded workload, not {workload.name}")
-    child = _start_child(workload)
-    assert child.stdout is not None
-    recv = Connection(os.dup(child.stdout.fileno()))
-    child.stdout.close()
-    try:
-        yield workload.sessions(rate, _replays(recv, child))
-    finally:
-        recv.close()
-        child.terminate()
-        child.wait()
-
-
-def _start_child(workload: Workload) -> subprocess.Popen:
-    """A fresh interpreter on the same modules (``sys.path``: a compiled build too), rather
-    than a fork of the run's heap or multiprocessing's re-import of the main script."""
+    # A fresh interpreter on the same modules (``sys.path``: a compiled build too), rather
+    # than a fork of the run's heap or multiprocessing's re-import of the main script.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     code = "from splitserve.sim.feed import child_main; child_main()"
     child = subprocess.Popen(
         [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
     )
-    assert child.stdin is not None
-    with child.stdin:
-        pickle.dump(_fields(workload), child.stdin)
-    return child
+    recv = None
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        with child.stdin:
+            pickle.dump(_fields(workload), child.stdin)
+        recv = Connection(os.dup(child.stdout.fileno()))
+        child.stdout.close()
+        yield workload.sessions(rate, _replays(recv, child))
+    finally:
+        if recv is not None:
+            recv.close()
+        child.terminate()
+        child.wait()
 
 
 def _fields(value: object) -> object:
