@@ -9,7 +9,9 @@ projection to one million requests (the goal: 1M requests over 1,000 GPUs in <= 
     .venv/bin/python benchmarks/sim_scale.py --compiled build/sim-compiled   # mypyc build
 
 ``--compiled DIR`` runs the modules ``benchmarks/sim_compile.py`` compiled into DIR (it
-refuses a build older than the sources). The load average is printed before and after: the
+refuses a build older than the sources). The sessions' random draws are made ahead in a
+second process (``sim/feed.py``: the same sessions); ``--gen-workers 0`` makes them in the
+run, as before. The load average is printed before and after: the
 machine is shared, so CPU seconds are the steadier figure.
 """
 
