@@ -8,10 +8,13 @@ record (TTFT, E2E, inter-token gaps, cached tokens, errors), every worker's coun
 the cluster's stats.
 
     .venv/bin/python benchmarks/sim_fingerprint.py
+    .venv/bin/python benchmarks/sim_fingerprint.py --gen-workers 1   # draws made ahead
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
 import hashlib
 import time
@@ -19,6 +22,7 @@ import time
 from splitserve.bench.workloads import AgenticConfig, RandomConfig
 from splitserve.sim.cluster import Cluster
 from splitserve.sim.deployment import Deployment, SimConfig
+from splitserve.sim.feed import fed_sessions
 from splitserve.sim.hardware import get_hardware
 from splitserve.sim.models import get_model
 
@@ -53,14 +57,7 @@ def cases() -> list[tuple]:
     def config(**options) -> SimConfig:
         return SimConfig(model, hw, **options)
 
-    def busy():
-        return AgenticConfig().sessions(100.0)
-
-    def light():
-        return AgenticConfig().sessions(20.0)
-
-    def single():
-        return RandomConfig().sessions(10.0)
+    busy, light, single = (AgenticConfig(), 100.0), (AgenticConfig(), 20.0), (RandomConfig(), 10.0)
 
     large = Deployment(31, 94, tp=8)
     least = dict(policy="least-loaded", prefill_policy="least-loaded")
@@ -100,9 +97,19 @@ def cases() -> list[tuple]:
 
 
 def main() -> None:
-    for name, config, deployment, sessions, limit in cases():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--gen-workers", type=int, default=0, choices=[0, 1], help="draws made ahead (sim/feed.py)"
+    )
+    args = ap.parse_args()
+    for name, config, deployment, (workload, rate), limit in cases():
         t0 = time.perf_counter()
-        digest, n = fingerprint(config, deployment, sessions(), limit)
+        with contextlib.ExitStack() as stack:
+            if args.gen_workers:
+                sessions = stack.enter_context(fed_sessions(workload, rate))
+            else:
+                sessions = workload.sessions(rate)
+            digest, n = fingerprint(config, deployment, sessions, limit)
         print(f"{name:26s} {digest}  ({n} requests, {time.perf_counter() - t0:.1f} s)")
 
 

@@ -21,6 +21,7 @@ on (seed, rate), so a rate sweep replays the same sessions, only closer together
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -141,6 +142,21 @@ def session_rng(seed: int, index: int) -> np.random.Generator:
     return np.random.default_rng([seed, _SESSION, index])
 
 
+class Draws(Protocol):
+    """What a session draws from its random stream: its numpy ``Generator``, or the same
+    draws made ahead in another process and replayed in order (``sim/feed.py``)."""
+
+    def integers(self, low: int, high: int | None = None, size: int | None = None): ...
+
+    def standard_normal(self) -> float: ...
+
+
+def session_rngs(seed: int) -> Iterator[np.random.Generator]:
+    """Session i's own stream, for i = 0, 1, ...: its draws depend only on (seed, i)."""
+    for i in itertools.count():
+        yield session_rng(seed, i)
+
+
 # Every id as one shared int object. A simulated cluster keeps the tokens of every cached
 # block (millions of blocks at scale): ids drawn as fresh ints cost an object per token.
 # (An object array indexed by the drawn ids gives those objects as fast as ``tolist`` makes
@@ -148,11 +164,11 @@ def session_rng(seed: int, index: int) -> np.random.Generator:
 _IDS = np.array(list(range(max(TOKEN_ID_HI, TEXT_ID_BASE + len(WORDS)))), dtype=object)
 
 
-def text_ids(rng: np.random.Generator, n: int) -> tuple[int, ...]:
+def text_ids(rng: Draws, n: int) -> tuple[int, ...]:
     return tuple(_IDS[rng.integers(TEXT_ID_BASE, TEXT_ID_BASE + len(WORDS), n)].tolist())
 
 
-def token_ids(rng: np.random.Generator, n: int) -> tuple[int, ...]:
+def token_ids(rng: Draws, n: int) -> tuple[int, ...]:
     return tuple(_IDS[rng.integers(TOKEN_ID_LO, TOKEN_ID_HI, n)].tolist())
 
 
@@ -167,7 +183,7 @@ class LogNormal:
         if self.median < 0 or self.sigma < 0:
             raise ValueError(f"log-normal median and sigma must be >= 0, got {self}")
 
-    def sample(self, rng: np.random.Generator) -> float:
+    def sample(self, rng: Draws) -> float:
         return self.median * math.exp(self.sigma * rng.standard_normal())
 
     @classmethod
@@ -182,7 +198,7 @@ class LogNormal:
         return cls(*parts)
 
 
-def _turn(pause_s: float, segments: Sequence[Segment], output_len: int, rng) -> TurnSpec:
+def _turn(pause_s: float, segments: Sequence[Segment], output_len: int, rng: Draws) -> TurnSpec:
     return TurnSpec(pause_s, tuple(segments), output_len, text_ids(rng, output_len))
 
 
@@ -213,14 +229,19 @@ class AgenticConfig:
         if not 0 <= self.min_tool_calls <= self.max_tool_calls:
             raise ValueError("need 0 <= min_tool_calls <= max_tool_calls")
 
-    def sessions(self, rate: float | None) -> Iterator[SessionSpec]:
+    def sessions(
+        self, rate: float | None, rngs: Iterator[Draws] | None = None
+    ) -> Iterator[SessionSpec]:
+        """``rngs``: each session's draws (default: ``session_rngs(seed)``)."""
         shared = np.random.default_rng([self.seed, _SHARED])
         systems = [text_ids(shared, self.system_tokens) for _ in range(self.agent_types)]
-        for i, t in enumerate(poisson_arrivals(rate, self.seed)):
-            yield self._session(i, t, systems)
+        streams = session_rngs(self.seed) if rngs is None else rngs
+        for i, (t, rng) in enumerate(zip(poisson_arrivals(rate, self.seed), streams, strict=False)):
+            yield self._session(i, t, systems, rng)
 
-    def _session(self, i: int, arrival_s: float, systems: list[tuple[int, ...]]) -> SessionSpec:
-        rng = session_rng(self.seed, i)
+    def _session(
+        self, i: int, arrival_s: float, systems: list[tuple[int, ...]], rng: Draws
+    ) -> SessionSpec:
         kind = int(rng.integers(self.agent_types))
         opening = [
             Segment("system", systems[kind]),
@@ -261,10 +282,12 @@ class MultiRoundQAConfig:
     def __post_init__(self) -> None:
         _positive(self, "question_tokens", "answer_tokens", "rounds")
 
-    def sessions(self, rate: float | None) -> Iterator[SessionSpec]:
+    def sessions(
+        self, rate: float | None, rngs: Iterator[Draws] | None = None
+    ) -> Iterator[SessionSpec]:
         system = text_ids(np.random.default_rng([self.seed, _SHARED]), self.system_tokens)
-        for i, t in enumerate(poisson_arrivals(rate, self.seed)):
-            rng = session_rng(self.seed, i)
+        streams = session_rngs(self.seed) if rngs is None else rngs
+        for i, (t, rng) in enumerate(zip(poisson_arrivals(rate, self.seed), streams, strict=False)):
             turns = []
             for r in range(self.rounds):
                 question = Segment("user", text_ids(rng, self.question_tokens))
@@ -293,9 +316,11 @@ class RandomConfig:
     def __post_init__(self) -> None:
         _positive(self, "input_len", "output_len")
 
-    def sessions(self, rate: float | None) -> Iterator[SessionSpec]:
-        for i, t in enumerate(poisson_arrivals(rate, self.seed)):
-            rng = session_rng(self.seed, i)
+    def sessions(
+        self, rate: float | None, rngs: Iterator[Draws] | None = None
+    ) -> Iterator[SessionSpec]:
+        streams = session_rngs(self.seed) if rngs is None else rngs
+        for i, (t, rng) in enumerate(zip(poisson_arrivals(rate, self.seed), streams, strict=False)):
             prompt = Segment("prompt", token_ids(rng, self.input_len))
             turn = TurnSpec(0.0, (prompt,), self.output_len, token_ids(rng, self.output_len))
             yield SessionSpec(f"r{i}", t, 0, (turn,), API_COMPLETIONS, sticky=False)

@@ -23,6 +23,13 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         allow_abbrev=False,
     )
     _add_run_args(p)
+    p.add_argument(
+        "--gen-workers",
+        type=int,
+        default=0,
+        choices=[0, 1],
+        help="1: make the sessions' random draws ahead in a second process (large runs)",
+    )
     p.set_defaults(func=cmd_sim)
     sub = p.add_subparsers(dest="sim_command")
     plan = sub.add_parser("plan", help="search collocated and P:D splits for goodput per GPU")
@@ -148,7 +155,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     print(workload.describe(), flush=True)
     runs = []
     for load in loads:
-        result = simulate(config, dep, workload, load.rate, load.duration_s, slo)
+        result = simulate(config, dep, workload, load.rate, load.duration_s, slo, args.gen_workers)
         print(format_summary(result.summary, f" Simulated: {load.describe()} "), flush=True)
         runs.append((load, result.run))
     write_outputs(args, {dep.describe(): runs})

@@ -84,8 +84,10 @@ class Cluster:
         first += deployment.decode
         self.decode_pool += self._pool("both", deployment.collocated, first)
         self.workers = self.prefill_pool + self.decode_pool
-        self.decode_candidates = [w.router for w in self.decode_pool]
-        self._prefill_candidates = [w.router for w in self.prefill_pool]
+        # Tuples: a policy's ring syncs on ``tuple(candidates)``, which copies a list at
+        # every placement and gives a tuple back as it is.
+        self.decode_candidates = tuple(w.router for w in self.decode_pool)
+        self._prefill_candidates = tuple(w.router for w in self.prefill_pool)
         self.by_router = {id(w.router): w for w in self.workers}
         self.decode_policy = config.routing_policy(config.policy)
         self.prefill_policy = config.routing_policy(config.prefill_policy)

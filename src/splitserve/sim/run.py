@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from splitserve.bench.load import RunResult
@@ -9,6 +10,7 @@ from splitserve.bench.metrics import SLO, summarize
 from splitserve.bench.workloads import Workload, within
 from splitserve.sim.cluster import Cluster
 from splitserve.sim.deployment import Deployment, SimConfig
+from splitserve.sim.feed import fed_sessions
 
 
 @dataclass(slots=True)
@@ -32,13 +34,23 @@ def simulate(
     rate: float,
     duration_s: float,
     slo: SLO | None = None,
+    gen_workers: int = 0,
 ) -> SimResult:
     """The sessions arriving in ``duration_s`` at ``rate``, each played to its end (an open
-    loop, as ``splitserve bench --rate R --duration S`` with an unbounded drain)."""
+    loop, as ``splitserve bench --rate R --duration S`` with an unbounded drain).
+    ``gen_workers`` 1: the sessions' random draws are made ahead in a second process
+    (``sim/feed.py``; the same sessions, worth it from some thousands of sessions)."""
     if not rate > 0 or not duration_s > 0:
         raise ValueError(f"the rate and duration must be > 0, got {rate} and {duration_s}")
-    cluster = Cluster(config, deployment)
-    records = cluster.run(within(workload.sessions(rate), duration_s))
+    if gen_workers not in (0, 1):
+        raise ValueError(f"gen_workers must be 0 or 1, got {gen_workers}")
+    with contextlib.ExitStack() as stack:
+        if gen_workers:
+            sessions = stack.enter_context(fed_sessions(workload, rate))
+        else:
+            sessions = workload.sessions(rate)
+        cluster = Cluster(config, deployment)  # built while the child starts
+        records = cluster.run(within(sessions, duration_s))
     duration = max((r.end_s for r in records), default=0.0)  # from the first arrival at 0
     info = {
         "workload": workload.describe(),
