@@ -10,6 +10,31 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_default_model_per_session():
+    """The default model loads once in the test process: ``load_model()`` without a path
+    (what ``LLM()``, the calibrating engine and ``default_model`` call) returns one shared
+    copy per dtype and device. Loading it is ~10 s a time; engines sharing it stay apart,
+    since a runner binds the model to its own KV cache on every step (see
+    test_runners_sharing_a_model_keep_their_own_cache). Paths are loaded as before."""
+    from splitserve.models import loader
+
+    real = loader.load_model
+    copies: dict[tuple, object] = {}
+
+    def load_model(path=None, dtype="auto", device="cpu", load_tokenizer=True):
+        if path is not None:
+            return real(path, dtype, device, load_tokenizer)
+        key = (loader.resolve_dtype(dtype, device), str(device), load_tokenizer)
+        if key not in copies:
+            copies[key] = real(None, dtype, device, load_tokenizer)
+        return copies[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader, "load_model", load_model)
+        yield
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """The default model (SmolLM2-135M-Instruct Q4_1 GGUF), loaded once per session."""

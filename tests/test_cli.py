@@ -9,10 +9,36 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
-def test_generate_prints_a_reply():
-    r = run("generate", "--prompt", "What is the capital of France?", "--max-tokens", "12")
-    assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout
+def run_together(*argvs: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """Like ``run`` for each argv, the processes side by side (their model loads overlap)."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "splitserve.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in argvs
+    ]
+    done = []
+    for args, proc in zip(argvs, procs, strict=True):
+        try:
+            out, err = proc.communicate(timeout=300)
+        finally:
+            proc.kill()  # a no-op once it exited
+        done.append(subprocess.CompletedProcess(args, proc.returncode, out, err))
+    return done
+
+
+def test_generate_prints_a_reply_and_split_gemv_gives_the_same_one():
+    # Greedy (the default temperature) on two threads, with and without --split-gemv.
+    args = ("generate", "--prompt", "What is the capital of France?", "--max-tokens", "12")
+    plain, split = run_together(
+        (*args, "--threads", "2"), (*args, "--threads", "2", "--split-gemv")
+    )
+    assert plain.returncode == split.returncode == 0, plain.stderr + split.stderr
+    assert "Paris" in plain.stdout
+    assert split.stdout == plain.stdout
 
 
 def test_generate_bad_input_is_a_clear_error():
@@ -44,14 +70,6 @@ def test_worker_tier_flags_fail_clearly_before_loading(tmp_path):
     assert r.returncode == 2 and "host_kv_gb" in r.stderr
     r = run("worker", *disk, "--kv-retention-quota", "2")
     assert r.returncode == 2 and "retention_quota" in r.stderr
-
-
-def test_generate_with_split_gemv_gives_the_same_greedy_reply():
-    args = ("generate", "--prompt", "Name three colours.", "--max-tokens", "16")
-    args += ("--temperature", "0", "--threads", "2")
-    plain, split = run(*args), run(*args, "--split-gemv")
-    assert plain.returncode == split.returncode == 0, plain.stderr + split.stderr
-    assert split.stdout == plain.stdout and plain.stdout.strip()
 
 
 def test_serve_load_factor_below_one_is_a_clear_error():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 
 import httpx
 import pytest
@@ -19,9 +20,9 @@ BLOCK_BYTES = 2 * 30 * 3 * 64 * 4 * 16  # the default model's KV block, float32
 
 
 class Cluster(dict):
-    """Worker name -> URL; ``pids`` maps the names to process ids."""
+    """Worker name -> URL; ``procs`` maps the names to their processes."""
 
-    pids: dict[str, int]
+    procs: dict[str, subprocess.Popen]
 
 
 def kv_cache_segments(pid: int) -> list[str]:
@@ -29,33 +30,36 @@ def kv_cache_segments(pid: int) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"splitserve-kv-cache-{pid}-")]
 
 
+POOL = ["--kv-cache-gb", "0.25"]  # 1,456 blocks: room for every test's prompts
+SPECS = {
+    "p_tcp": ["--role", "prefill", "--kv-transport", "tcp", *POOL],
+    "p_shm": ["--role", "prefill", "--kv-transport", "shm", *POOL],
+    # A short lease, and the first block it serves arrives corrupted.
+    "p_fault": ["--role", "prefill", "--kv-transport", "tcp", "--kv-lease-ttl", "2", *POOL]
+    + ["--kv-test-fault", "corrupt_block=0"],
+    "d": ["--role", "decode", "--host-kv-gb", "0.2", *POOL],
+    # 21 device blocks (336 tokens) over 72 in host RAM: a session's blocks get evicted.
+    "d_small": ["--role", "decode", "--kv-cache-gb", "0.015", "--host-kv-gb", "0.05"],
+    # One test each: a prefill worker that is stopped before its blocks are pulled, one
+    # that cuts the connection mid-transfer, a decode worker with another cluster secret.
+    "p_gone": ["--role", "prefill", "--kv-transport", "shm", *POOL],
+    "p_cut": ["--role", "prefill", "--kv-test-fault", f"drop_after_bytes={3 * BLOCK_BYTES}"] + POOL,
+    "d_wrong": ["--role", "decode", *POOL],
+}
+SECRETS = {"d_wrong": "not-the-secret"}
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    """Prefill workers over tcp and shm, a short-lease prefill worker with a corrupting
-    fault, and one decode worker. Started together; they load in parallel."""
-    specs = {
-        "p_tcp": ["--role", "prefill", "--kv-transport", "tcp"],
-        "p_shm": ["--role", "prefill", "--kv-transport", "shm"],
-        "p_fault": [
-            "--role",
-            "prefill",
-            "--kv-transport",
-            "tcp",
-            "--kv-lease-ttl",
-            "2",
-            "--kv-test-fault",
-            "corrupt_block=0",
-        ],
-        "d": ["--role", "decode", "--host-kv-gb", "0.2"],
-        # 21 device blocks (336 tokens) over 72 in host RAM: a session's blocks get evicted.
-        "d_small": ["--role", "decode", "--kv-cache-gb", "0.015", "--host-kv-gb", "0.05"],
+    """Every worker of this module, started together: they load in parallel."""
+    procs = {
+        name: start_worker(args, secret=SECRETS.get(name, SECRET)) for name, args in SPECS.items()
     }
-    procs = {name: start_worker(args, secret=SECRET) for name, args in specs.items()}
     try:
         for url, proc in procs.values():
             wait_healthy(url, proc)
         urls = Cluster({name: url for name, (url, _) in procs.items()})
-        urls.pids = {name: proc.pid for name, (_, proc) in procs.items()}
+        urls.procs = {name: proc for name, (_, proc) in procs.items()}
         yield urls
     finally:
         for _, proc in procs.values():
@@ -70,9 +74,10 @@ def offline():
 
 
 def prompts(seed: int, n: int) -> list[list[int]]:
-    """``n`` token-id prompts with lengths spread from 10 to 2,000."""
+    """``n`` token-id prompts with lengths spread from 10 (no full block) to 1,100 (over
+    one step's 1,024-token budget: a chunked prefill)."""
     rng = random.Random(seed)
-    lengths = [round(10 * 200 ** (i / (n - 1))) for i in range(n)]
+    lengths = [round(10 * 110 ** (i / (n - 1))) for i in range(n)]
     return [[rng.randrange(100, 49000) for _ in range(length)] for length in lengths]
 
 
@@ -113,7 +118,7 @@ def reference(offline, batch: list[list[int]]) -> list[str]:
 
 @pytest.mark.parametrize(("transport", "seed"), [("tcp", 1), ("shm", 2)])
 def test_greedy_outputs_equal_collocated(cluster, offline, transport, seed):
-    batch = prompts(seed, 10)  # 20 prompts over the two transports
+    batch = prompts(seed, 8)  # 16 prompts over the two transports
     received = metric(cluster["d"], "splitserve:kv_blocks_received_total")
     got = [two_legs(cluster[f"p_{transport}"], cluster["d"], p) for p in batch]
     assert got == reference(offline, batch)
@@ -125,8 +130,8 @@ def test_greedy_outputs_equal_collocated(cluster, offline, transport, seed):
 def test_shm_prefill_worker_keeps_its_kv_cache_in_shared_memory(cluster):
     # So the shm greedy test above ran the single-copy path: the decode worker copied each
     # block straight out of this segment. A tcp prefill worker keeps a private cache.
-    assert len(kv_cache_segments(cluster.pids["p_shm"])) == 1
-    assert kv_cache_segments(cluster.pids["p_tcp"]) == []
+    assert len(kv_cache_segments(cluster.procs["p_shm"].pid)) == 1
+    assert kv_cache_segments(cluster.procs["p_tcp"].pid) == []
 
 
 def test_second_turn_pulls_only_the_missing_blocks(cluster):
@@ -196,42 +201,29 @@ def test_lease_expiry_frees_prefill_blocks(cluster):
 
 
 def test_prefill_worker_gone_before_pull(cluster, offline):
-    url, proc = start_worker(["--role", "prefill", "--kv-transport", "shm"], secret=SECRET)
-    try:
-        wait_healthy(url, proc)
-        assert len(kv_cache_segments(proc.pid)) == 1
-        prompt = prompts(6, 2)[1][:400]
-        params = prefill_leg(url, prompt)
-    finally:
-        stop_group(proc)
+    url, proc = cluster["p_gone"], cluster.procs["p_gone"]
+    assert len(kv_cache_segments(proc.pid)) == 1
+    prompt = prompts(6, 2)[1][:400]
+    params = prefill_leg(url, prompt)
+    stop_group(proc)
     assert kv_cache_segments(proc.pid) == []  # its shared KV cache went with it
     assert decode_leg(cluster["d"], prompt, params) == reference(offline, [prompt])[0]
 
 
 def test_connection_cut_mid_transfer(cluster, offline):
-    fault = ["--kv-test-fault", f"drop_after_bytes={3 * BLOCK_BYTES}"]
-    url, proc = start_worker(["--role", "prefill", *fault], secret=SECRET)
-    try:
-        wait_healthy(url, proc)
-        prompt = prompts(7, 2)[1][:500]
-        before = metric(cluster["d"], "splitserve:kv_load_fallbacks_total")
-        assert two_legs(url, cluster["d"], prompt) == reference(offline, [prompt])[0]
-        assert metric(cluster["d"], "splitserve:kv_load_fallbacks_total") == before + 1
-    finally:
-        stop_group(proc)
+    prompt = prompts(7, 2)[1][:500]
+    before = metric(cluster["d"], "splitserve:kv_load_fallbacks_total")
+    assert two_legs(cluster["p_cut"], cluster["d"], prompt) == reference(offline, [prompt])[0]
+    assert metric(cluster["d"], "splitserve:kv_load_fallbacks_total") == before + 1
 
 
 def test_wrong_cluster_secret_is_refused(cluster, offline):
-    url, proc = start_worker(["--role", "decode"], secret="not-the-secret")
-    try:
-        wait_healthy(url, proc)
-        prompt = prompts(8, 2)[1][:300]
-        reason = 'splitserve:kv_load_fallbacks_total{reason="auth"}'
-        assert two_legs(cluster["p_tcp"], url, prompt) == reference(offline, [prompt])[0]
-        assert metric(url, reason) == 1
-        assert metric(url, "splitserve:kv_blocks_received_total") == 0
-    finally:
-        stop_group(proc)
+    url = cluster["d_wrong"]
+    prompt = prompts(8, 2)[1][:300]
+    reason = 'splitserve:kv_load_fallbacks_total{reason="auth"}'
+    assert two_legs(cluster["p_tcp"], url, prompt) == reference(offline, [prompt])[0]
+    assert metric(url, reason) == 1
+    assert metric(url, "splitserve:kv_blocks_received_total") == 0
     # The right secret is what lets a peer in: the shared decode worker pulls fine.
     before = metric(cluster["d"], "splitserve:kv_blocks_received_total")
     two_legs(cluster["p_tcp"], cluster["d"], prompt)

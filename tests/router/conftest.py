@@ -204,13 +204,35 @@ class RealWorker:
             self.proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def real_workers() -> Iterator[list[RealWorker]]:
-    workers = [RealWorker() for _ in range(3)]
-    try:
-        for w in workers:
-            wait_until(w.ready, 300, "a model worker")
-        yield workers
-    finally:
-        for w in workers:
-            w.kill()
+# The model workers live from the first test that asks for them to the end of the run of
+# tests that ask for them in a row (see pytest_runtest_teardown): the end-to-end modules
+# share them. A worker a test killed is replaced before the next test gets the pool.
+_REAL_POOL: list[RealWorker] = []
+
+
+@pytest.fixture
+def real_workers() -> list[RealWorker]:
+    """Three live model workers; a test may kill some (the next test gets replacements)."""
+    _REAL_POOL[:] = [w for w in _REAL_POOL if w.proc.poll() is None]
+    fresh = [RealWorker() for _ in range(3 - len(_REAL_POOL))]
+    _REAL_POOL.extend(fresh)  # before waiting: a failed start is still stopped
+    for w in fresh:
+        wait_until(w.ready, 300, "a model worker")
+    return list(_REAL_POOL)
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if "real_workers" in item.fixturenames and (
+        nextitem is None or "real_workers" not in nextitem.fixturenames
+    ):
+        stop_real_workers()
+
+
+def pytest_sessionfinish() -> None:
+    stop_real_workers()  # after an interrupted run too
+
+
+def stop_real_workers() -> None:
+    for w in _REAL_POOL:
+        w.kill()
+    _REAL_POOL.clear()

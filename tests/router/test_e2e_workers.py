@@ -33,10 +33,10 @@ def turn(router, messages: list[dict], key: str | None) -> tuple[str, str, dict]
     return r.headers[DECODE_HEADER], body["choices"][0]["message"]["content"], body["usage"]
 
 
-def test_50_sessions_of_5_turns_stay_home_and_reuse_their_cache(real_workers, make_router):
+def test_20_sessions_of_5_turns_stay_home_and_reuse_their_cache(real_workers, make_router):
     router = make_router(workers=[w.url for w in real_workers])
     on_first, turns, reuse = 0, 0, []
-    for s in range(50):
+    for s in range(20):
         # Half the sessions name themselves; the other half rely on the conversation hash.
         key = f"session-{s}" if s % 2 == 0 else None
         messages = [
