@@ -109,6 +109,8 @@ def test_a_calibration_file_sets_the_profile(tmp_path):
     path.write_text(json.dumps({"fit": {**fitted, "host_bw": 5e9}}))
     assert load_calibration(get_hardware("cpu-local"), str(path)).host_bw == 5e9
     assert get_hardware("cpu-local").co_run_slowdown == 0.0  # a file without it: none
+    path.write_text(json.dumps({"fit": {**fitted, "request_overhead_s": 0.04}}))
+    assert load_calibration(get_hardware("cpu-local"), str(path)).request_overhead_s == 0.04
     for measured, used in ((0.15, 0.15), (-0.02, 0.0)):  # a neighbour never speeds a step up
         path.write_text(json.dumps({"fit": {**fitted, "co_run_slowdown": measured}}))
         assert load_calibration(get_hardware("cpu-local"), str(path)).co_run_slowdown == used

@@ -265,3 +265,13 @@ def test_shared_cores_slow_a_busy_cluster_and_lose_no_request():
 
 def mean_e2e(records) -> float:
     return sum(r.e2e_s for r in records) / len(records)
+
+
+def test_a_request_overhead_adds_to_every_ttft_exactly():
+    # One request at a time: TTFT is the way in plus the bare prefill step.
+    hw = get_hardware("h100").with_fit(request_overhead_s=0.05)
+    cfg = SimConfig(get_model("llama3-8b"), hw, max_num_seqs=32, max_num_batched_tokens=4096)
+    cluster = Cluster(cfg, Deployment(collocated=1))
+    records = cluster.run(RandomConfig(1000, 8).sessions(0.01), limit=3)
+    prefill = cluster.cost.step_time(StepShape(1000, 1, 1000 * 1001 / 2, 1000, 1))
+    assert [r.ttft_s for r in records] == pytest.approx([0.05 + prefill] * 3, rel=1e-12)

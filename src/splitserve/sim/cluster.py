@@ -171,7 +171,12 @@ class Cluster:
         chain = self._chains[spec.session_id]
         req = SimRequest(rid, spec, k, context, record, info, chain)
         self.requests[rid] = req
-        self._place(req, len(context) - cached_before)
+        new_tokens = len(context) - cached_before
+        delay = self.config.hardware.request_overhead_s
+        if delay > 0:  # the request's way in: HTTP, tokenizing, the engine loop's hand-off
+            self.events.at(self.now + delay, lambda _: self._place(req, new_tokens))
+        else:
+            self._place(req, new_tokens)
 
     def _place(self, req: SimRequest, new_tokens: int) -> None:
         d = self.by_router[id(self.decode_policy.select_worker(self.decode_candidates, req.info))]

@@ -57,6 +57,9 @@ class HardwareProfile:
     # while one more worker computes on another core (memory bandwidth and caches are shared
     # too); measured by ``sim calibrate --co-run``.
     co_run_slowdown: float = 0.0
+    # What a request pays outside the engine's steps before its prefill can start (HTTP,
+    # tokenizing, the engine loop's hand-off): added to every TTFT.
+    request_overhead_s: float = 0.0
     host_bw: float = 64 * GB  # bytes/s, one direction, host RAM <-> one GPU (KV tier loads)
     host_latency_s: float = 10e-6  # one tier load's setup (a copy launch)
     disk_bw: float = 7 * GB  # bytes/s, local disk reads per GPU
@@ -205,6 +208,8 @@ def load_calibration(hw: HardwareProfile, path: str) -> HardwareProfile:
     values["attention_eff"] = float(attention) if isinstance(attention, int | float) else None
     if isinstance(fit.get("host_bw"), int | float) and fit["host_bw"] > 0:
         values["host_bw"] = float(fit["host_bw"])  # measured host-tier loads (newer files)
+    if isinstance(fit.get("request_overhead_s"), int | float) and fit["request_overhead_s"] >= 0:
+        values["request_overhead_s"] = float(fit["request_overhead_s"])
     if isinstance(fit.get("co_run_slowdown"), int | float):  # sim calibrate --co-run
         values["co_run_slowdown"] = max(0.0, float(fit["co_run_slowdown"]))
     return hw.with_fit(**values)
