@@ -110,9 +110,13 @@ def test_only_seeded_workloads_are_drawn_ahead():
         pass
 
 
+# The run restores Ctrl-C's default handler first: a process started in the background of a
+# non-interactive shell (a CI script's `cmd &`) inherits SIGINT ignored, which a terminal's
+# foreground job never does.
 RUN = textwrap.dedent(
     """
-    import os, sys, time
+    import os, signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from splitserve.bench.workloads import AgenticConfig
     from splitserve.sim.feed import fed_sessions
     with fed_sessions(AgenticConfig(), 1.0) as sessions:
