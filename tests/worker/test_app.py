@@ -179,6 +179,11 @@ def test_metrics_count_tokens_latencies_and_errors():
             "splitserve:kv_cache_usage_perc 0.0",
         ):
             assert line in text, line
+        # Every engine step is timed: at least one per generated token.
+        steps = [ln for ln in text.splitlines() if ln.startswith("splitserve:engine_step_seconds_")]
+        count = next(float(ln.split()[1]) for ln in steps if "_count" in ln)
+        total = next(float(ln.split()[1]) for ln in steps if "_sum" in ln)
+        assert count >= 3 and total > 0
 
     run_app(FakeEngine(), test)
 

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -143,6 +144,8 @@ class AsyncEngine:
         # The engine's lock (``LLMEngine.lock``), if it has one: see ``call_now``.
         self._lock: Any = getattr(engine, "lock", None)
         self._locked: Any = self._lock if self._lock is not None else contextlib.nullcontext()
+        # Called on the engine thread with each step's duration in seconds (the metrics).
+        self.on_step: Callable[[float], None] | None = None
 
     # ---- lifecycle (event loop side) ---------------------------------------------------------
 
@@ -297,6 +300,7 @@ class AsyncEngine:
                 pass  # the event loop has closed
 
     def _step(self) -> None:
+        start = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -304,6 +308,8 @@ class AsyncEngine:
             log.exception("engine step failed; failing %d requests", len(self._streams))
             self._fail_all(EngineError(f"engine step failed: {e!r}"))
             return
+        if self.on_step is not None:
+            self.on_step(time.perf_counter() - start)
         batch = []
         for out in outputs:
             stream = self._streams.get(out.request_id)

@@ -15,6 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from splitserve.engine.outputs import RequestOutput
 from splitserve.worker.async_engine import LoadSnapshot
 
+_STEP_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
+)  # fmt: skip
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
@@ -41,6 +44,12 @@ class WorkerMetrics:
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token", r)
         self.itl = self._histogram("inter_token_latency_seconds", "Time between tokens", r)
         self.e2e = self._histogram("e2e_request_latency_seconds", "Request latency", r)
+        self.engine_step = Histogram(
+            "splitserve:engine_step_seconds",
+            "Duration of one engine step (schedule, model run, sampling, outputs)",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("splitserve:prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter(
             "splitserve:generation_tokens", "Generated tokens", registry=r
