@@ -19,7 +19,7 @@ from splitserve.sim.calibrate import (
     measure_co_run,
     measure_host_load,
     peak_cost_model,
-    read_co_run,
+    read_samples,
     write_calibration,
 )
 from splitserve.sim.cost_model import StepShape
@@ -161,7 +161,7 @@ def test_the_co_run_slowdown_is_stored_and_kept_by_refit(tmp_path):
     assert co_run_slowdown(alone, beside) == pytest.approx(0.2)
     path, out = tmp_path / "cal.json", tmp_path / "refit.json"
     write_calibration(str(path), {"co_run_slowdown": 0.2}, alone, beside)
-    assert read_co_run(str(path)) == beside
+    assert read_samples(str(path))[2] == beside
     assert main(["sim", "calibrate", "--refit", str(path), "--out", str(out)]) == 0
     refit = json.loads(out.read_text())
     assert refit["fit"]["co_run_slowdown"] == pytest.approx(0.2)

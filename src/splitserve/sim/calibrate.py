@@ -337,8 +337,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     cost = peak_cost_model()
     co_run: list[Sample] = []
     if args.refit:
-        samples, host_bw = read_samples(args.refit)
-        co_run = read_co_run(args.refit)
+        samples, host_bw, co_run = read_samples(args.refit)
     else:
         engine = build_engine(args.model_path, args.threads)
         samples = measure(args.model_path, args.threads, args.repeats, engine=engine)
@@ -386,32 +385,25 @@ def _rows(samples: list[Sample]) -> list[dict]:
     return rows
 
 
-def read_co_run(path: str) -> list[Sample]:
-    """The ``--co-run`` samples of a ``sim calibrate --out`` file (none in older files)."""
-    try:
-        with open(path) as f:
-            rows = json.load(f).get("co_run_samples", [])
-        return [Sample(_stored_shape(r), float(r["seconds"])) for r in rows]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise SystemExit(f"cannot read co-run samples from {path}: {e!r}") from None
-
-
-def read_samples(path: str) -> tuple[list[Sample], float | None]:
-    """The samples of a ``sim calibrate --out`` file and its measured ``host_bw`` (if any).
-    Files before the full shapes were stored hold tokens and sequences only: a single
-    sequence of several tokens is a prefill from position 0, the rest decode steps over
-    ``DECODE_CONTEXT``-token prompts, as ``measure`` takes them."""
+def read_samples(path: str) -> tuple[list[Sample], float | None, list[Sample]]:
+    """The samples of a ``sim calibrate --out`` file, its measured ``host_bw`` (if any) and
+    its ``--co-run`` samples (none in older files). Files before the full shapes were stored
+    hold tokens and sequences only: a single sequence of several tokens is a prefill from
+    position 0, the rest decode steps over ``DECODE_CONTEXT``-token prompts, as ``measure``
+    takes them."""
     try:
         with open(path) as f:
             data = json.load(f)
-        rows = data["samples"]
-        samples = [Sample(_stored_shape(r), float(r["seconds"])) for r in rows]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        samples = [Sample(_stored_shape(r), float(r["seconds"])) for r in data["samples"]]
+        co_run = [
+            Sample(_stored_shape(r), float(r["seconds"])) for r in data.get("co_run_samples", [])
+        ]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SystemExit(f"cannot read calibration samples from {path}: {e!r}") from None
     if not samples:
         raise SystemExit(f"{path} holds no samples")
     host_bw = data.get("fit", {}).get("host_bw")
-    return samples, float(host_bw) if isinstance(host_bw, int | float) else None
+    return samples, float(host_bw) if isinstance(host_bw, int | float) else None, co_run
 
 
 def _stored_shape(row: dict) -> StepShape:

@@ -107,12 +107,7 @@ class KVMoves:
 
     def _decode_leg(self, req: SimRequest, d: SimWorker) -> None:
         c = self.c
-        seq = c.sequence(req.rid, req, len(c.outputs[req.rid]))
-        try:
-            d.engine.add(seq)
-        except ValueError as e:
-            d.router.in_flight -= 1
-            c.fail(req, str(e))
+        c.admit(d, c.sequence(req.rid, req, len(c.outputs[req.rid])), req)
 
     # ---- peer KV fetch: a moved turn pulls its session's KV from the home ----------------
 
