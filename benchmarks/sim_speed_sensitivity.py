@@ -55,10 +55,8 @@ def run(hw: HardwareProfile, duration: float, rate: float) -> SimResult:
 
 
 def met(result: SimResult, ttft_s: float, tpot_s: float) -> int:
-    def tpot(r) -> float:
-        return (r.e2e_s - r.ttft_s) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
-
-    return sum(1 for r in result.records if r.ok and r.ttft_s <= ttft_s and tpot(r) <= tpot_s)
+    slo = SLO(ttft_ms=1000 * ttft_s, tpot_ms=1000 * tpot_s)
+    return sum(1 for r in result.records if slo.met(r))
 
 
 def main() -> None:
