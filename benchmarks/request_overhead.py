@@ -9,7 +9,6 @@ the simulator's ``request_overhead_s`` on ``cpu-local``.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
 import threading
@@ -18,14 +17,12 @@ import time
 import httpx
 import numpy as np
 
-from splitserve.cluster.local import LocalDeployment, WorkerProcess, worker_argv
+from splitserve.cluster.local import LocalDeployment, WorkerProcess, free_port, worker_argv
 from splitserve.sim.calibrate import build_engine, measure
 
 
 def start_worker() -> tuple[LocalDeployment, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = worker_argv("127.0.0.1", port, None, ["--threads", "1", "--log-level", "warning"])
     deployment = LocalDeployment([WorkerProcess("worker", argv, url)])

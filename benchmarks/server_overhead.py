@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import threading
@@ -34,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 
 from splitserve import LLM, SamplingParams  # noqa: E402
-from splitserve.cluster.local import LocalDeployment, WorkerProcess, worker_argv  # noqa: E402
+from splitserve.cluster.local import LocalDeployment, WorkerProcess, free_port, worker_argv  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -141,9 +140,7 @@ async def bench(llm: LLM, url: str, rounds: list[list[list[int]]], output_len: i
 
 
 def start_worker(args: argparse.Namespace) -> LocalDeployment:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     extra = ["--max-model-len", str(args.max_model_len), "--log-level", "warning"]
     if args.threads is not None:
         extra += ["--threads", str(args.threads)]
