@@ -32,6 +32,7 @@ def test_compare_runs_a_disaggregated_deployment(tmp_path, capsys):
     # Every turn carries its session id; with one decode worker no turn can move.
     assert s["server"]["session_turns"] >= s["completed"]
     assert s["server"]["turns_moved"] == s["server"]["turns_moved_fraction"] == 0
+    assert s["server"]["router_cpu_seconds"] > 0 and s["server"]["worker_cpu_seconds"] > 0
     assert "--prefill 1 --decode 1" in s["info"]["deployment"]
     assert "goodput req/s" in printed and "(1.00x)" in printed and "turns moved %" in printed
     assert md.read_text().startswith("| deployment | load | goodput req/s")

@@ -60,6 +60,11 @@ def test_agentic_run_matches_the_servers_metrics(worker, tmp_path, capsys):
     assert server["generation_tokens"] == s["total_output_tokens"]
     assert server["cached_prompt_tokens"] == s["cached_tokens"] > 0  # shared system prompts
     assert server["requests_finished"] == s["completed"]
+    # Where the CPU went: the engine thread's steps within the worker process's CPU and
+    # within the steps' wall time; the load generator's own.
+    assert 0 < server["engine_cpu_seconds"] <= server["engine_busy_seconds"] + 0.01
+    assert server["engine_cpu_seconds"] < server["worker_cpu_seconds"]
+    assert server["client_cpu_seconds"] > 0
     after = metric(worker, "splitserve:prompt_tokens_total")
     assert after - before["splitserve:prompt_tokens_total"] >= server["prompt_tokens"]
     # One token per synthetic word: turn 0's prompt is the spec's plus a constant template.

@@ -184,6 +184,9 @@ def test_metrics_count_tokens_latencies_and_errors():
         count = next(float(ln.split()[1]) for ln in steps if "_count" in ln)
         total = next(float(ln.split()[1]) for ln in steps if "_sum" in ln)
         assert count >= 3 and total > 0
+        cpu = float(text.split("\nsplitserve:engine_cpu_seconds_total ")[1].split()[0])
+        assert 0 < cpu <= total + 0.01  # the engine thread's CPU within the steps' wall time
+        assert "\nprocess_cpu_seconds_total " in text
 
     run_app(FakeEngine(), test)
 

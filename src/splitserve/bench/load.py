@@ -71,15 +71,20 @@ async def run_load(
         targets = await discover(client, endpoint, tuple(metrics_urls))
         await warm_up(client, endpoint, max(2, len(targets.workers)))
         before = await scrape(client, targets, endpoint.headers)
+        cpu = time.process_time()
         records, duration = await _play(client, endpoint, workload, load, progress)
+        cpu = time.process_time() - cpu
         after = await scrape(client, targets, endpoint.headers)
     info = {"workload": workload.describe(), "load": load.describe(), "url": endpoint.url}
-    summary = summarize(records, duration, slo or SLO(), _server(targets, before, after), info)
+    server = _server(targets, before, after, cpu)
+    summary = summarize(records, duration, slo or SLO(), server, info)
     return RunResult(summary, records)
 
 
-def _server(targets: Targets, before: dict, after: dict) -> dict[str, float]:
-    return server_figures(before, after) if targets.workers else {}
+def _server(targets: Targets, before: dict, after: dict, client_cpu_s: float) -> dict[str, float]:
+    if not targets.workers:
+        return {}
+    return {**server_figures(before, after), "client_cpu_seconds": client_cpu_s}
 
 
 async def warm_up(client, endpoint: Endpoint, n: int) -> None:

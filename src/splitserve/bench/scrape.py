@@ -12,6 +12,12 @@ over all workers of after - before:
 - ``turns_moved_fraction``: of the turns with a session key, those the router placed on
   another worker than the session's previous turn (each such turn finds none of the
   session's own KV there).
+- Where the host's CPU went: ``engine_cpu_seconds`` (the workers' engine threads in their
+  steps: with one model thread per worker, the model's compute), ``worker_cpu_seconds``
+  (the worker processes in all, so the difference is serving: HTTP, streams, KV moves),
+  ``router_cpu_seconds``, and ``engine_busy_seconds`` (the steps' wall time, which exceeds
+  their CPU time when workers wait for a shared core). ``run_load`` adds the load
+  generator's own, ``client_cpu_seconds``.
 """
 
 from __future__ import annotations
@@ -29,11 +35,15 @@ WORKER_COUNTERS = {
     "generation_tokens": "splitserve:generation_tokens_total",
     "requests_finished": "splitserve:request_success_total",
     "kv_bytes_transferred": "splitserve:kv_bytes_received_total",
+    "engine_busy_seconds": "splitserve:engine_step_seconds_sum",
+    "engine_cpu_seconds": "splitserve:engine_cpu_seconds_total",
+    "worker_cpu_seconds": "process_cpu_seconds_total",
 }
 ROUTER_COUNTERS = {
     "remote_prefills": 'splitserve:router_remote_prefills_total{outcome="ok"}',
     "session_turns": "splitserve:router_turns_total",
     "turns_moved": "splitserve:router_sessions_moved_total",
+    "router_cpu_seconds": "process_cpu_seconds_total",
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from splitserve.router.timing import PHASE_BUCKETS, PHASE_NAMES, Timeline
 
@@ -23,6 +23,7 @@ class RouterMetrics:
 
     def __init__(self, healthy: Callable[[str], int]) -> None:
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
         self.requests = Counter(
             "splitserve:router_requests", "Requests sent to workers", ["worker", "role"], registry=r
         )

@@ -144,8 +144,8 @@ class AsyncEngine:
         # The engine's lock (``LLMEngine.lock``), if it has one: see ``call_now``.
         self._lock: Any = getattr(engine, "lock", None)
         self._locked: Any = self._lock if self._lock is not None else contextlib.nullcontext()
-        # Called on the engine thread with each step's duration in seconds (the metrics).
-        self.on_step: Callable[[float], None] | None = None
+        # Called on the engine thread with each step's wall and thread CPU seconds (metrics).
+        self.on_step: Callable[[float, float], None] | None = None
 
     # ---- lifecycle (event loop side) ---------------------------------------------------------
 
@@ -300,7 +300,7 @@ class AsyncEngine:
                 pass  # the event loop has closed
 
     def _step(self) -> None:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -309,7 +309,7 @@ class AsyncEngine:
             self._fail_all(EngineError(f"engine step failed: {e!r}"))
             return
         if self.on_step is not None:
-            self.on_step(time.perf_counter() - start)
+            self.on_step(time.perf_counter() - start, time.thread_time() - cpu)
         batch = []
         for out in outputs:
             stream = self._streams.get(out.request_id)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from splitserve.engine.outputs import RequestOutput
 from splitserve.worker.async_engine import LoadSnapshot
@@ -29,6 +29,7 @@ class WorkerMetrics:
 
     def __init__(self, load: Callable[[], LoadSnapshot]) -> None:
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
         self._gauge("num_requests_running", "Requests in the running batch", r).set_function(
             lambda: load().running
         )
@@ -50,6 +51,12 @@ class WorkerMetrics:
             buckets=_STEP_BUCKETS,
             registry=r,
         )
+        self.engine_cpu = Counter(
+            "splitserve:engine_cpu_seconds",
+            "CPU time of the engine thread in its steps (with one model thread, the model's "
+            "compute; the rest of process_cpu_seconds_total is serving: HTTP, streams, KV moves)",
+            registry=r,
+        )
         self.prompt_tokens = Counter("splitserve:prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter(
             "splitserve:generation_tokens", "Generated tokens", registry=r
@@ -67,6 +74,11 @@ class WorkerMetrics:
         )
         self._disaggregation_metrics(r)
         self._peer_metrics(r)
+
+    def step(self, wall_s: float, cpu_s: float) -> None:
+        """One engine step took ``wall_s`` seconds, ``cpu_s`` of them on the engine thread."""
+        self.engine_step.observe(wall_s)
+        self.engine_cpu.inc(cpu_s)
 
     def _disaggregation_metrics(self, r: CollectorRegistry) -> None:
         self.prefills = Counter(

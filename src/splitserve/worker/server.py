@@ -85,7 +85,7 @@ def create_app(
     )
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     metrics = WorkerMetrics(lambda: async_engine.load)
-    async_engine.on_step = metrics.engine_step.observe
+    async_engine.on_step = metrics.step
     kv = KVSides.build(disagg or DisaggConfig(), engine, async_engine, metrics, api_key)
     if getattr(engine, "tiering", None) is not None:
         TierCollector(engine, metrics.registry)
