@@ -155,16 +155,21 @@ def test_the_real_engine_steps_and_host_tier_loads_are_measured():
     assert multiprocessing.active_children() == []
 
 
-def test_the_co_run_slowdown_is_stored_and_kept_by_refit(tmp_path):
+def test_the_co_run_slowdown_and_serving_cpu_are_stored_and_kept_by_refit(tmp_path):
     alone = [Sample(shape, 0.01 * (i + 1)) for i, shape in enumerate(shapes())]
     beside = [Sample(s.shape, 1.2 * s.seconds) for s in alone]
     assert co_run_slowdown(alone, beside) == pytest.approx(0.2)
     path, out = tmp_path / "cal.json", tmp_path / "refit.json"
-    write_calibration(str(path), {"co_run_slowdown": 0.2}, alone, beside)
+    serving = {"serving_cpu_per_request_s": 0.012, "serving_cpu_per_token_s": 0.0014}
+    write_calibration(str(path), {"co_run_slowdown": 0.2, **serving}, alone, beside)
     assert read_samples(str(path))[2] == beside
     assert main(["sim", "calibrate", "--refit", str(path), "--out", str(out)]) == 0
     refit = json.loads(out.read_text())
     assert refit["fit"]["co_run_slowdown"] == pytest.approx(0.2)
+    # What benchmarks/serving_cpu.py measured stays in the refitted file, and is read.
+    assert {k: refit["fit"][k] for k in serving} == serving
+    hw = load_calibration(get_hardware("cpu-local"), str(out))
+    assert (hw.serving_cpu_per_request_s, hw.serving_cpu_per_token_s) == (0.012, 0.0014)
     assert load_calibration(get_hardware("cpu-local"), str(out)).co_run_slowdown == pytest.approx(
         0.2
     )

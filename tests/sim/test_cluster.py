@@ -13,6 +13,7 @@ from splitserve.sim.cost_model import StepShape
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware
 from splitserve.sim.models import get_model
+from splitserve.sim.run import simulate
 from tests.sim.helpers import COLLOCATED, DISAGG, config, run
 
 
@@ -251,6 +252,39 @@ def test_engines_computing_at_once_slow_each_other_by_the_measured_factor(second
     assert sorted(r.ttft_s / p for r in records) == pytest.approx(list(ttfts), rel=1e-9)
 
 
+@pytest.mark.parametrize(
+    ("cores", "per_request", "per_token", "arrivals", "ttfts"),
+    [
+        # One core; half a prefill of serving work arrives with the request: both at half
+        # speed until it is done (after one prefill of wall time), then the prefill's other
+        # half alone.
+        (1, 0.5, 0.0, (0.0,), (1.5,)),
+        (1, 2.0, 0.0, (0.0,), (2.0,)),  # the backlog outlasts the prefill: half speed all along
+        (2, 0.5, 0.0, (0.0,), (1.0,)),  # a core for each: no slowdown
+        # The first request's one token leaves a prefill of serving work when it ends (at 1);
+        # the second arrives at 1.5 with half of it left: half speed for one prefill of wall
+        # time, then alone.
+        (1, 0.0, 1.0, (0.0, 1.5), (1.0, 1.5)),
+    ],
+)
+def test_serving_work_shares_the_cores_with_the_workers(
+    cores, per_request, per_token, arrivals, ttfts
+):
+    p = Cluster(config(), COLLOCATED).cost.step_time(StepShape(1000, 1, 1000 * 1001 / 2, 1000, 1))
+    hw = get_hardware("h100").with_fit(
+        serving_cpu_per_request_s=per_request * p, serving_cpu_per_token_s=per_token * p
+    )
+    cfg = SimConfig(get_model("llama3-8b"), hw, max_num_batched_tokens=4096, host_cores=cores)
+    cluster = Cluster(cfg, Deployment(collocated=1))
+    records = cluster.run(iter(_one_prefill_sessions([a * p for a in arrivals], 1000)))
+    assert [r.ttft_s / p for r in records] == pytest.approx(list(ttfts), rel=1e-9)
+    assert cluster.cores is not None and cluster.cores.backlog == 0.0
+    assert cluster.cores.serving_s == pytest.approx((per_request + per_token) * p * len(arrivals))
+
+
+MODEL, FOUR = get_model("llama3-8b"), Deployment(collocated=4)
+
+
 def test_shared_cores_slow_a_busy_cluster_and_lose_no_request():
     workload = AgenticConfig(seed=0)
     own, shared = (
@@ -259,6 +293,17 @@ def test_shared_cores_slow_a_busy_cluster_and_lose_no_request():
     )
     assert len(own[1]) == len(shared[1]) and all(r.ok for r in shared[1])
     assert mean_e2e(shared[1]) > 1.2 * mean_e2e(own[1])
+    # Serving work on the same cores slows it further; it all gets done, none is lost.
+    hw = get_hardware("h100").with_fit(serving_cpu_per_request_s=0.05, serving_cpu_per_token_s=0.01)
+    without, result = (
+        simulate(SimConfig(MODEL, h, max_num_seqs=32, host_cores=2), FOUR, workload, 8.0, 5.0)
+        for h in (get_hardware("h100"), hw)
+    )
+    records = result.records
+    assert len(records) == len(without.records) and all(r.ok for r in records)
+    assert mean_e2e(records) > mean_e2e(without.records) and result.cluster.cores.backlog == 0.0
+    serving = 0.05 * len(records) + 0.01 * sum(r.output_tokens for r in records)
+    assert result.summary.server["serving CPU on the shared cores (s)"] == pytest.approx(serving)
     with pytest.raises(ValueError, match="host_cores must be >= 1"):
         config(host_cores=0)
 

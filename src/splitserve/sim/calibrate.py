@@ -349,6 +349,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         result["host_bw"] = host_bw
     if co_run:
         result["co_run_slowdown"] = co_run_slowdown(samples, co_run)
+    if args.refit:
+        result.update(measured_elsewhere(args.refit))
     print(f"{'step':<28}{'measured ms':>12}{'fitted ms':>11}")
     fitted = cost_model_of(result)
     for s in medians(samples):
@@ -404,6 +406,17 @@ def read_samples(path: str) -> tuple[list[Sample], float | None, list[Sample]]:
         raise SystemExit(f"{path} holds no samples")
     host_bw = data.get("fit", {}).get("host_bw")
     return samples, float(host_bw) if isinstance(host_bw, int | float) else None, co_run
+
+
+# Figures a calibration file holds that other benchmarks measured (request_overhead.py,
+# serving_cpu.py), not the step grid: a refit keeps them.
+MEASURED_ELSEWHERE = ("request_overhead_s", "serving_cpu_per_request_s", "serving_cpu_per_token_s")
+
+
+def measured_elsewhere(path: str) -> dict[str, float]:
+    with open(path) as f:
+        fit = json.load(f).get("fit", {})
+    return {k: float(fit[k]) for k in MEASURED_ELSEWHERE if isinstance(fit.get(k), int | float)}
 
 
 def _stored_shape(row: dict) -> StepShape:

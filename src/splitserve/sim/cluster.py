@@ -98,7 +98,9 @@ class Cluster:
         self.cores: SharedCores | None = None
         if config.host_cores:
             slowdown = config.hardware.co_run_slowdown
-            self.cores = SharedCores(config.host_cores, slowdown, self.workers, self._schedule_end)
+            self.cores = SharedCores(
+                config.host_cores, slowdown, self.workers, self._schedule_end, self.events
+            )
 
     def _pool(self, role: str, count: int, first: int) -> list[SimWorker]:
         per_node = max(1, self.config.hardware.gpus_per_node // self.deployment.tp)
@@ -172,6 +174,8 @@ class Cluster:
         req = SimRequest(rid, spec, k, context, record, info, chain)
         self.requests[rid] = req
         new_tokens = len(context) - cached_before
+        if self.cores is not None:
+            self.cores.serve(self.config.hardware.serving_cpu_per_request_s, self.now)
         delay = self.config.hardware.request_overhead_s
         if delay > 0:  # the request's way in: HTTP, tokenizing, the engine loop's hand-off
             self.events.at(self.now + delay, lambda _: self._place(req, new_tokens))
@@ -344,6 +348,9 @@ class Cluster:
         r.output_tokens = seq.num_output_tokens
         r.cached_tokens = seq.num_cached_tokens
         r.e2e_s = self.now - r.start_s
+        if self.cores is not None:
+            tokens = r.output_tokens * self.config.hardware.serving_cpu_per_token_s
+            self.cores.serve(tokens, self.now)
         log = d.engine.step_log
         if log is not None and seq.num_preemptions == 0:
             r.itl_s = log.durations(req.first_step, d.engine.steps)

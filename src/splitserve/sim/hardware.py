@@ -60,6 +60,11 @@ class HardwareProfile:
     # What a request pays outside the engine's steps before its prefill can start (HTTP,
     # tokenizing, the engine loop's hand-off): added to every TTFT.
     request_overhead_s: float = 0.0
+    # Workers sharing a host's cores: the host CPU a request costs outside the engines (HTTP,
+    # chat template, tokenizing, the router), and each generated token (streamed through the
+    # worker, the router and the client); it competes with the workers for those cores.
+    serving_cpu_per_request_s: float = 0.0
+    serving_cpu_per_token_s: float = 0.0
     host_bw: float = 64 * GB  # bytes/s, one direction, host RAM <-> one GPU (KV tier loads)
     host_latency_s: float = 10e-6  # one tier load's setup (a copy launch)
     disk_bw: float = 7 * GB  # bytes/s, local disk reads per GPU
@@ -212,4 +217,7 @@ def load_calibration(hw: HardwareProfile, path: str) -> HardwareProfile:
         values["request_overhead_s"] = float(fit["request_overhead_s"])
     if isinstance(fit.get("co_run_slowdown"), int | float):  # sim calibrate --co-run
         values["co_run_slowdown"] = max(0.0, float(fit["co_run_slowdown"]))
+    for key in ("serving_cpu_per_request_s", "serving_cpu_per_token_s"):  # serving_cpu.py
+        if isinstance(fit.get(key), int | float) and fit[key] >= 0:
+            values[key] = float(fit[key])
     return hw.with_fit(**values)

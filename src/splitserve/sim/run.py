@@ -81,7 +81,14 @@ def _counters(cluster: Cluster) -> dict[str, float]:
         "engine steps (events)": sum(w.steps for w in workers),
         **_tier_counters(cluster),
         **_peer_counters(cluster),
+        **_core_counters(cluster),
     }
+
+
+def _core_counters(cluster: Cluster) -> dict[str, float]:
+    if cluster.cores is None:
+        return {}
+    return {"serving CPU on the shared cores (s)": cluster.cores.serving_s}
 
 
 def _peer_counters(cluster: Cluster) -> dict[str, float]:
