@@ -159,6 +159,27 @@ def print_rows(real, sim) -> None:
         print(f"{name:<22}{a:>10.3f}{b:>12.3f}{ratio:>10.2f}")
 
 
+# (what, the bench run's server figure, the simulation's counter): where the host's time went
+HOST_CPU = (
+    ("engine busy, wall (s)", "engine_busy_seconds", "engine busy (s)"),
+    ("engine compute (s)", "engine_cpu_seconds", "engine compute (s)"),
+)
+
+
+def print_host_cpu(real: dict, sim: dict) -> None:
+    """The engines' time, real (bench's CPU figures, recorded since they exist) against
+    simulated (with --host-cores); and the serving CPU outside the engines."""
+    if "engine_cpu_seconds" not in real or "engine busy (s)" not in sim:
+        return
+    for name, real_key, sim_key in HOST_CPU:
+        a, b = real[real_key], sim[sim_key]
+        print(f"{name:<22}{a:>10.1f}{b:>12.1f}{b / a if a else float('nan'):>10.2f}")
+    serving = real["worker_cpu_seconds"] - real["engine_cpu_seconds"]
+    serving += real["router_cpu_seconds"] + real["client_cpu_seconds"]
+    b = sim["serving CPU on the shared cores (s)"]
+    print(f"{'serving CPU (s)':<22}{serving:>10.1f}{b:>12.1f}{b / serving:>10.2f}")
+
+
 def against_bench(args, workload, slo: SLO) -> None:
     with open(args.bench_json) as f:
         runs = json.load(f)
@@ -177,6 +198,7 @@ def against_bench(args, workload, slo: SLO) -> None:
         shown = ", ".join(f"{k} {v}" for k, v in settings.items())
         print(f"\n{run['deployment']} ({dep.describe()}; {shown}) at {run['rate']:g}/s:")
         print_rows(real, sim)
+        print_host_cpu(run["summary"].get("server", {}), sim.server)
         table.append((run["deployment"], run["rate"], real, sim))
     print_markdown(table)
 

@@ -232,6 +232,7 @@ def test_workers_on_shared_cores_share_them_evenly(cores, second_at, ttfts):
     got = sorted(r.ttft_s / p for r in records)
     assert got == pytest.approx(list(ttfts), rel=1e-9)
     assert [w.busy_s / p for w in cluster.workers] == pytest.approx(list(ttfts), rel=1e-9)
+    assert [w.engine_s / p for w in cluster.workers] == pytest.approx([1.0, 1.0], rel=1e-9)
 
 
 @pytest.mark.parametrize(
@@ -279,6 +280,8 @@ def test_serving_work_shares_the_cores_with_the_workers(
     records = cluster.run(iter(_one_prefill_sessions([a * p for a in arrivals], 1000)))
     assert [r.ttft_s / p for r in records] == pytest.approx(list(ttfts), rel=1e-9)
     assert cluster.cores is not None and cluster.cores.backlog == 0.0
+    (w,) = cluster.workers  # its steps' wall time, and the engine seconds within it
+    assert (w.busy_s / p, w.engine_s / p) == pytest.approx((sum(ttfts), len(arrivals)))
     assert cluster.cores.serving_s == pytest.approx((per_request + per_token) * p * len(arrivals))
 
 

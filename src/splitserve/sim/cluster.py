@@ -295,6 +295,7 @@ class Cluster:
         if version != w.version:
             return  # superseded: the run was cut short
         w.busy_s += w.duration
+        w.engine_s += w.duration if self.cores is None else w.work
         w.steps += 1
         report = w.engine.end()
         self._handle(w, report)

@@ -88,7 +88,11 @@ def _counters(cluster: Cluster) -> dict[str, float]:
 def _core_counters(cluster: Cluster) -> dict[str, float]:
     if cluster.cores is None:
         return {}
-    return {"serving CPU on the shared cores (s)": cluster.cores.serving_s}
+    return {
+        "engine busy (s)": sum(w.busy_s for w in cluster.workers),
+        "engine compute (s)": sum(w.engine_s for w in cluster.workers),
+        "serving CPU on the shared cores (s)": cluster.cores.serving_s,
+    }
 
 
 def _peer_counters(cluster: Cluster) -> dict[str, float]:

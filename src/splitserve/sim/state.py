@@ -24,6 +24,7 @@ class SimWorker:
     duration: float = 0.0
     version: int = 0
     busy_s: float = 0.0
+    engine_s: float = 0.0  # busy_s less the waits for a shared core (host_cores)
     steps: int = 0
     link_free: float = 0.0  # inbound KV link busy until
     mover_free: float = 0.0  # lower-tier loads busy until (one at a time, as one mover)
