@@ -1,18 +1,20 @@
-"""Host CPU that serving a request costs outside the engines: the simulator's
-``serving_cpu_per_request_s`` and ``serving_cpu_per_token_s`` on ``cpu-local``, which
-compete with the workers for the cores under ``sim --host-cores``.
+"""Host CPU that serving costs outside the engines: the simulator's
+``serving_cpu_per_request_s``, ``serving_cpu_per_token_s`` and ``kv_copy_cpu_per_block_s``
+on ``cpu-local``, which compete with the workers for the cores under ``sim --host-cores``.
 
-A real ``splitserve serve`` (the router and one worker of one thread, as ``bench compare``
-starts them) plays the agentic workload of the validation runs twice, closed loop, one
-session at a time so nothing queues: once with its output lengths, once with them
-``--longer`` times longer. Each run reads the CPU counters ``splitserve bench`` reports (the
-worker process, its engine thread's steps, the router, the load generator); serving is all
-of it but the engine thread's steps. Two runs, two unknowns: the CPU per request and per
-generated token.
+A real ``splitserve serve`` (the router and one worker of one thread with the validation
+runs' 0.06 GB pool, as ``bench compare`` starts them) plays the agentic workload of the
+validation runs, closed loop, one session at a time so nothing queues: with its output
+lengths, with them ``--longer`` times longer, and then with a 2 GB host-RAM KV tier, whose
+mover thread saves every completed block and loads evicted prefixes back. Each run reads
+the CPU counters ``splitserve bench`` reports (the worker process, its engine thread's
+steps, the router, the load generator) and the tier's blocks saved and loaded; serving is
+all of it but the engine thread's steps. Three runs, three unknowns: the CPU per request,
+per generated token and per block copied.
 
-    .venv/bin/python benchmarks/serving_cpu.py [--calibration benchmarks/out/cal-s8.json]
+    .venv/bin/python benchmarks/serving_cpu.py [--calibration benchmarks/out/cal-s9.json]
 
-``--calibration FILE`` writes both figures into a ``sim calibrate`` file's fit.
+``--calibration FILE`` writes the figures into a ``sim calibrate`` file's fit.
 """
 
 from __future__ import annotations
@@ -55,12 +57,41 @@ def serving_cpu(server: dict[str, float]) -> float:
     )
 
 
-def fit(runs: list[tuple[int, int, float]]) -> tuple[float, float]:
-    """(per request, per token) from (requests, tokens, serving CPU seconds) runs."""
-    a = np.array([[n, t] for n, t, _ in runs], dtype=float)
-    b = np.array([s for _, _, s in runs])
-    (per_request, per_token), *_ = np.linalg.lstsq(a, b, rcond=None)
-    return float(per_request), float(per_token)
+FIGURES = ("serving_cpu_per_request_s", "serving_cpu_per_token_s", "kv_copy_cpu_per_block_s")
+
+
+def fit(runs: list[tuple[float, ...]]) -> dict[str, float]:
+    """The three figures from (requests, tokens, blocks copied, serving CPU seconds) runs."""
+    a = np.array([run[:-1] for run in runs], dtype=float)
+    b = np.array([run[-1] for run in runs])
+    solution, *_ = np.linalg.lstsq(a, b, rcond=None)
+    return dict(zip(FIGURES, (float(x) for x in solution), strict=True))
+
+
+def play(name: str, workloads, duration_s: float) -> list[tuple[float, ...]]:
+    """Each workload through a fresh deployment ``name``: (requests, tokens, blocks copied,
+    serving CPU seconds) per run."""
+    dep = DEPLOYMENTS[name]
+    port, key = free_port(), secrets.token_hex(16)
+    url = f"http://127.0.0.1:{port}"
+    argv = serve_argv(dep, 1, 1, port, ("--kv-cache-gb", "0.06"))
+    load = Load(concurrency=1, duration_s=duration_s, drain_s=60.0)
+    runs = []
+    with Running(dep, argv, url, key, 300.0):
+        for workload in workloads:
+            s = asyncio.run(run_load(Endpoint(url, key), workload, load, progress=False)).summary
+            server, cpu = s.server, serving_cpu(s.server)
+            blocks = server["kv_blocks_saved"] + server["kv_blocks_loaded"]
+            runs.append((s.completed, s.total_output_tokens, blocks, cpu))
+            print(
+                f"{name}, {workload.describe()}: {s.completed} requests, "
+                f"{s.total_output_tokens} tokens, {blocks:.0f} blocks copied; CPU s: engine "
+                f"{server['engine_cpu_seconds']:.2f}, serving {cpu:.2f} (worker "
+                f"{server['worker_cpu_seconds']:.2f}, router {server['router_cpu_seconds']:.2f}, "
+                f"load generator {server['client_cpu_seconds']:.2f})",
+                flush=True,
+            )
+    return runs
 
 
 def main() -> None:
@@ -74,34 +105,18 @@ def main() -> None:
         tool_call_tokens=WORKLOAD.tool_call_tokens * args.longer,
         answer_tokens=WORKLOAD.answer_tokens * args.longer,
     )
-    port, key = free_port(), secrets.token_hex(16)
-    url = f"http://127.0.0.1:{port}"
-    argv = serve_argv(DEPLOYMENTS["collocated-session"], 1, 1, port)
-    load = Load(concurrency=1, duration_s=args.duration, drain_s=60.0)
-    runs = []
-    with Running(DEPLOYMENTS["collocated-session"], argv, url, key, 300.0):
-        for workload in (WORKLOAD, longer):
-            s = asyncio.run(run_load(Endpoint(url, key), workload, load, progress=False)).summary
-            cpu = serving_cpu(s.server)
-            runs.append((s.completed, s.total_output_tokens, cpu))
-            print(
-                f"{workload.describe()}: {s.completed} requests, {s.total_output_tokens} "
-                f"tokens; CPU s: engine {s.server['engine_cpu_seconds']:.2f}, serving "
-                f"{cpu:.2f} (worker {s.server['worker_cpu_seconds']:.2f}, router "
-                f"{s.server['router_cpu_seconds']:.2f}, load generator "
-                f"{s.server['client_cpu_seconds']:.2f})",
-                flush=True,
-            )
-    per_request, per_token = fit(runs)
-    print(f"serving_cpu_per_request_s {per_request:.5f}\nserving_cpu_per_token_s {per_token:.5f}")
+    runs = play("collocated-session", (WORKLOAD, longer), args.duration)
+    runs += play("collocated-session-tiers", (WORKLOAD,), args.duration)
+    figures = fit(runs)
+    for name, value in figures.items():
+        print(f"{name} {value:.5f}")
     if args.calibration:
         with open(args.calibration) as f:
             data = json.load(f)
-        data["fit"]["serving_cpu_per_request_s"] = max(0.0, per_request)
-        data["fit"]["serving_cpu_per_token_s"] = max(0.0, per_token)
+        data["fit"].update({k: max(0.0, v) for k, v in figures.items()})
         with open(args.calibration, "w") as f:
             json.dump(data, f, indent=1)
-        print(f"wrote both into {args.calibration}")
+        print(f"wrote them into {args.calibration}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ tiers, and count the loaded prefix in ``usage.prompt_tokens_details.cached_token
 
 from __future__ import annotations
 
+import asyncio
 import random
 import shutil
 import time
@@ -18,6 +19,8 @@ import pytest
 from procs import metric, start_worker, stop_group, wait_healthy
 from tool_chat import WEATHER_TOOL, few_shot_tool_calls
 
+from splitserve.bench.client import new_client
+from splitserve.bench.scrape import Targets, scrape
 from splitserve.cli import main as cli_main
 from splitserve.common.kv_hash import hash_blocks, root_hash
 from splitserve.kvstore.disk import PREFIX_BYTES
@@ -235,6 +238,22 @@ def test_no_tier_exceeds_its_size(workers):
     assert len(list((workers.root / "d1").glob("*/*.kvb"))) < metric(
         workers.url("host"), "splitserve:kv_tier_saved_blocks_total"
     )
+
+
+def test_bench_reads_the_tier_traffic(workers):
+    url = workers.url("host")
+
+    async def read() -> dict[str, float]:
+        async with new_client() as client:
+            return await scrape(client, Targets((url,)))
+
+    got = asyncio.run(read())
+    assert got["kv_blocks_saved"] == metric(url, "splitserve:kv_tier_saved_blocks_total") > 0
+    text = httpx.get(url + "/metrics", timeout=10).text
+    loaded = [
+        ln for ln in text.splitlines() if ln.startswith("splitserve:kv_tier_loaded_blocks_total")
+    ]
+    assert got["kv_blocks_loaded"] == sum(float(ln.split()[-1]) for ln in loaded)
 
 
 def test_prefetch_hint_promotes_before_the_request(workers):

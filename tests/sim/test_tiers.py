@@ -99,6 +99,25 @@ def test_a_returning_turn_waits_for_its_load_then_prefills_the_rest():
     assert again["a", 1].ttft_s == pytest.approx(full, rel=1e-12) and full > load + prefill
 
 
+def test_the_kv_movers_copies_are_serving_work_on_shared_cores():
+    # The scenario above on one shared core: each block saved or loaded costs the mover
+    # 100 ms of CPU, which the workers' steps then share the core with: a's 20 saved blocks
+    # are still being copied when b arrives.
+    a = session("a", 0.0, [(0.0, 320, 16), (10.0, 16, 4)], 1000)
+    b = session("b", 1.0, [(0.0, 624, 16)], 5000)
+    kw = dict(kv_cache_gb=40 * BLOCK_BYTES / 2**30, host_kv_gb=1.0, max_num_batched_tokens=4096)
+    ttfts = []
+    for cost in (0.0, 0.1):
+        hw = get_hardware("h100").with_fit(kv_copy_cpu_per_block_s=cost)
+        cluster = Cluster(SimConfig(get_model("llama3-8b"), hw, host_cores=1, **kw), ONE)
+        records = {(r.session_id, r.turn): r for r in cluster.run(iter([a, b]))}
+        stats = cluster.workers[0].engine.tiering.stats
+        assert all(r.ok for r in records.values()) and stats.blocks_loaded == 20
+        assert cluster.cores.serving_s == pytest.approx(cost * (stats.blocks_saved + 20))
+        ttfts.append(records["b", 0].ttft_s)
+    assert ttfts[1] == pytest.approx(2 * ttfts[0], rel=1e-9)  # half the core
+
+
 def test_a_decode_worker_pulls_only_what_its_own_tiers_do_not_hold():
     # 1P:1D, 40-block pools. a's first turn is prefilled on P, 19 blocks pulled to D, which
     # computes the 20th; both save theirs to host RAM. b then fills both pools. a returns

@@ -18,6 +18,8 @@ over all workers of after - before:
   ``router_cpu_seconds``, and ``engine_busy_seconds`` (the steps' wall time, which exceeds
   their CPU time when workers wait for a shared core). ``run_load`` adds the load
   generator's own, ``client_cpu_seconds``.
+- ``kv_blocks_saved`` / ``kv_blocks_loaded``: KV blocks the workers' tiers copied below the
+  device pool / loaded back into it (0 without tiers).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ WORKER_COUNTERS = {
     "engine_busy_seconds": "splitserve:engine_step_seconds_sum",
     "engine_cpu_seconds": "splitserve:engine_cpu_seconds_total",
     "worker_cpu_seconds": "process_cpu_seconds_total",
+    "kv_blocks_saved": "splitserve:kv_tier_saved_blocks_total",
+    "kv_blocks_loaded": "splitserve:kv_tier_loaded_blocks_total",
 }
 ROUTER_COUNTERS = {
     "remote_prefills": 'splitserve:router_remote_prefills_total{outcome="ok"}',

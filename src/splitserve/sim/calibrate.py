@@ -410,7 +410,12 @@ def read_samples(path: str) -> tuple[list[Sample], float | None, list[Sample]]:
 
 # Figures a calibration file holds that other benchmarks measured (request_overhead.py,
 # serving_cpu.py), not the step grid: a refit keeps them.
-MEASURED_ELSEWHERE = ("request_overhead_s", "serving_cpu_per_request_s", "serving_cpu_per_token_s")
+MEASURED_ELSEWHERE = (
+    "request_overhead_s",
+    "serving_cpu_per_request_s",
+    "serving_cpu_per_token_s",
+    "kv_copy_cpu_per_block_s",
+)
 
 
 def measured_elsewhere(path: str) -> dict[str, float]:

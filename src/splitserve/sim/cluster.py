@@ -98,8 +98,9 @@ class Cluster:
         self.cores: SharedCores | None = None
         if config.host_cores:
             slowdown = config.hardware.co_run_slowdown
+            copies = config.hardware.kv_copy_cpu_per_block_s
             self.cores = SharedCores(
-                config.host_cores, slowdown, self.workers, self._schedule_end, self.events
+                config.host_cores, slowdown, copies, self.workers, self._schedule_end, self.events
             )
 
     def _pool(self, role: str, count: int, first: int) -> list[SimWorker]:
@@ -299,6 +300,8 @@ class Cluster:
         w.steps += 1
         report = w.engine.end()
         self._handle(w, report)
+        if self.cores is not None:
+            self.cores.step_ended(w, self.now)
         self._begin(w)
 
     def _start_loads(self, w: SimWorker) -> None:

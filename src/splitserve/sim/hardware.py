@@ -65,6 +65,9 @@ class HardwareProfile:
     # worker, the router and the client); it competes with the workers for those cores.
     serving_cpu_per_request_s: float = 0.0
     serving_cpu_per_token_s: float = 0.0
+    # ... and the CPU a worker's KV mover thread spends on one block saved to or loaded from
+    # a lower tier (the bundled model's block size on cpu-local).
+    kv_copy_cpu_per_block_s: float = 0.0
     host_bw: float = 64 * GB  # bytes/s, one direction, host RAM <-> one GPU (KV tier loads)
     host_latency_s: float = 10e-6  # one tier load's setup (a copy launch)
     disk_bw: float = 7 * GB  # bytes/s, local disk reads per GPU
@@ -217,7 +220,8 @@ def load_calibration(hw: HardwareProfile, path: str) -> HardwareProfile:
         values["request_overhead_s"] = float(fit["request_overhead_s"])
     if isinstance(fit.get("co_run_slowdown"), int | float):  # sim calibrate --co-run
         values["co_run_slowdown"] = max(0.0, float(fit["co_run_slowdown"]))
-    for key in ("serving_cpu_per_request_s", "serving_cpu_per_token_s"):  # serving_cpu.py
+    serving = ("serving_cpu_per_request_s", "serving_cpu_per_token_s", "kv_copy_cpu_per_block_s")
+    for key in serving:  # benchmarks/serving_cpu.py
         if isinstance(fit.get(key), int | float) and fit[key] >= 0:
             values[key] = float(fit[key])
     return hw.with_fit(**values)

@@ -11,8 +11,10 @@ at the new rate from then on, and a decode run ends after its current step.
 The same cores also run what serves the requests outside the engines: HTTP, chat
 templates, tokenizing, streams through the router to the client
 (``serving_cpu_per_request_s`` when a request arrives, ``serving_cpu_per_token_s`` for each
-token it generated when it ends; ``benchmarks/serving_cpu.py`` measures both). That work
-queues as a backlog which, while there is any, computes as one more thread in the share.
+token it generated when it ends, ``kv_copy_cpu_per_block_s`` for each block a worker's KV
+mover saves to or loads from a lower tier; ``benchmarks/serving_cpu.py`` measures all
+three). That work queues as a backlog which, while there is any, computes as one more
+thread in the share.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ class SharedCores:
         self,
         cores: int,
         co_run_slowdown: float,
+        kv_copy_cpu_per_block_s: float,
         workers: list[SimWorker],
         schedule_end: Callable[[SimWorker, float], None],
         events: EventQueue,
     ) -> None:
         self.cores = cores
         self.co_run_slowdown = co_run_slowdown
+        self.kv_copy_cpu_per_block_s = kv_copy_cpu_per_block_s
+        self._tier_blocks: dict[str, int] = {}  # a worker's blocks saved + loaded so far
         self.workers = workers
         self._schedule_end = schedule_end  # (worker, wall seconds from its step's start)
         self._events = events
@@ -61,6 +66,17 @@ class SharedCores:
         if total is not None and total < w.work:
             w.work = total
             self._schedule(w)
+
+    def step_ended(self, w: SimWorker, now: float) -> None:
+        """The KV mover's copies of the blocks ``w``'s tiers saved or loaded since its last
+        step are serving work."""
+        tiering = w.engine.tiering
+        if tiering is None or not self.kv_copy_cpu_per_block_s:
+            return
+        moved = tiering.stats.blocks_saved + tiering.stats.blocks_loaded
+        new = moved - self._tier_blocks.get(w.name, 0)
+        self._tier_blocks[w.name] = moved
+        self.serve(new * self.kv_copy_cpu_per_block_s, now)
 
     def serve(self, cpu_s: float, now: float) -> None:
         """``cpu_s`` seconds of serving work join the backlog, once the event in progress
