@@ -80,7 +80,8 @@ def _add_run_args(p: argparse.ArgumentParser, deployment: bool = True) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="the workers share N CPU cores (one thread each, as bench compare runs them)",
+        help="the workers share N CPU cores (one thread each, as bench compare runs them), "
+        "with the serving work a calibration file measured (benchmarks/serving_cpu.py)",
     )
     s.add_argument(
         "--kv-peer-fetch",
