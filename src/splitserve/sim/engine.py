@@ -50,11 +50,19 @@ class StepReport:
     first_tokens: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
 
+    def __init__(self) -> None:  # written out for mypyc, as ``StepShape``'s
+        self.first_tokens = []
+        self.finished = []
+
 
 @dataclass(slots=True)
 class _Run:
     steps: int
     line: DecodeLine
+
+    def __init__(self, steps: int, line: DecodeLine) -> None:
+        self.steps = steps
+        self.line = line
 
 
 class SimEngine:
