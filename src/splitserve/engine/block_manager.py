@@ -257,15 +257,22 @@ class BlockManager:
         hashes: list[BlockHash],
         token_ids: list[int],
         start_block: int = 0,
+        blocks: list[tuple[int, ...]] | None = None,
     ) -> None:
         """Publish reserved blocks, now filled with the KV of the consecutive full blocks
         ``start_block, start_block + 1, ...`` of ``token_ids``, under their hashes, then
-        release them into the prefix cache."""
+        release them into the prefix cache. ``blocks``: those blocks' tokens as tuples made
+        already (a ``BlockChain``'s), stored as they are; a lookup through that chain then
+        finds them by identity instead of comparing every token."""
         bs = self.block_size
         for i, (block_id, h) in enumerate(zip(block_ids, hashes, strict=True), start_block):
             if h not in self._cached and self._hash[block_id] is None:
                 self._hash[block_id] = h
-                self._tokens[block_id] = tuple(token_ids[i * bs : (i + 1) * bs])
+                self._tokens[block_id] = (
+                    tuple(token_ids[i * bs : (i + 1) * bs])
+                    if blocks is None
+                    else blocks[i - start_block]
+                )
                 self._cached[h] = block_id
         self.release(block_ids)
 
