@@ -10,13 +10,17 @@ import pytest
 
 from splitserve.bench.metrics import RequestRecord
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.block_manager import PrefixMatch
 from splitserve.engine.plan import ScheduledChunk, StepPlan, StepResult
+from splitserve.engine.scheduler import SequenceUpdate
 from splitserve.engine.sequence import Sequence
 from splitserve.sim.cost_model import DecodeLine, StepShape
 from splitserve.sim.engine import StepReport, _Run
 from splitserve.sim.state import SimRequest
 
 HAND_WRITTEN = [
+    PrefixMatch,
+    SequenceUpdate,
     RequestRecord,
     ScheduledChunk,
     StepPlan,

@@ -13,7 +13,7 @@ head of the queue so that cached ones are evicted last, oldest first.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from splitserve.common.kv_hash import BlockChain, BlockHash
 from splitserve.engine.free_queue import FreeQueue
@@ -62,9 +62,16 @@ class _Blocks:
         return Block(self._bm, block_id)
 
 
-class PrefixMatch(NamedTuple):
+@dataclass(slots=True)
+class PrefixMatch:
     block_ids: list[int]
     hashes: list[BlockHash]
+
+    # Made at every admission attempt: mypyc compiles a hand-written ``__init__`` (and this
+    # class's property), not a NamedTuple's or ``@dataclass``'s generated methods.
+    def __init__(self, block_ids: list[int], hashes: list[BlockHash]) -> None:
+        self.block_ids = block_ids
+        self.hashes = hashes
 
     @property
     def num_blocks(self) -> int:
