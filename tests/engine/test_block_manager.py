@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.common.kv_hash import hash_blocks, root_hash
+from splitserve.common.kv_hash import BlockChain, hash_blocks, root_hash
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.sequence import Sequence
@@ -176,6 +176,22 @@ def test_register_from_a_later_block():
     reserved = bm.reserve(2)
     bm.register(reserved, hashes[1:], tokens, start_block=1)
     assert bm.cached_prefix(hashes, tokens) == 3
+
+
+def test_register_with_a_chains_blocks_stores_its_very_tuples():
+    # The simulator's KV pulls hand over the session chain's token tuples: a later lookup
+    # through that chain finds them by identity, and one through a fresh chain still hits.
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    tokens = list(range(12))
+    chain = BlockChain(ROOT, BS)
+    chain.extend(tokens, 3)
+    reserved = bm.reserve(2)
+    bm.register(reserved, chain.hashes[1:], [], start_block=1, blocks=chain.tokens[1:])
+    assert [bm._tokens[b] for b in reserved] == chain.tokens[1:]
+    assert all(bm._tokens[b] is t for b, t in zip(reserved, chain.tokens[1:], strict=True))
+    admit(bm, make_seq(tokens[:4], "a"))  # block 0 computed here
+    assert bm.match_prefix(make_seq(tokens + [99], "b")).num_blocks == 3
+    assert bm.cached_prefix(chain.hashes, [7] * 12) == 0  # other tokens: still a miss
 
 
 def test_a_chain_carried_from_an_earlier_turn_matches_like_a_fresh_one():

@@ -323,3 +323,41 @@ def test_a_request_overhead_adds_to_every_ttft_exactly():
     records = cluster.run(RandomConfig(1000, 8).sessions(0.01), limit=3)
     prefill = cluster.cost.step_time(StepShape(1000, 1, 1000 * 1001 / 2, 1000, 1))
     assert [r.ttft_s for r in records] == pytest.approx([0.05 + prefill] * 3, rel=1e-12)
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "plain"])
+def test_sessions_with_one_opening_share_its_blocks_hashed_as_from_scratch(chat):
+    """A session's chain starts as its first message's shared chain: the hashes and tokens a
+    chain of its own prompt would have, and for the sessions of one agent type (one system
+    prompt) the very same token tuples."""
+    from splitserve.common.kv_hash import BlockChain
+    from splitserve.sim.chat import append_prompt
+
+    cfg = config(chat_template=chat, block_size=16)
+    cluster = Cluster(cfg, DISAGG)
+    specs = list(itertools.islice(AgenticConfig(seed=4).sessions(2.0), 12))
+    chains = {}
+    for spec in specs:
+        opening = cluster._opening(spec)
+        prompt: list[int] = []
+        append_prompt(prompt, spec.turns[0].segments, chat)
+        own = BlockChain(cluster.root, cfg.block_size)
+        own.extend(prompt, len(opening))
+        assert len(opening) >= 384 // 16  # the system prompt's full blocks at least
+        assert opening.hashes == own.hashes and opening.tokens == own.tokens
+        chains.setdefault(spec.agent_type, []).append(opening)
+    assert len(cluster._openings) == len(chains) > 1
+    for same_type in chains.values():
+        assert all(c.tokens[0] is same_type[0].tokens[0] for c in same_type)
+
+
+def test_shared_openings_leave_a_run_as_it_was(monkeypatch):
+    """The same records with no opening kept (every session hashing its own chain)."""
+    from splitserve.sim import cluster as cluster_module
+
+    cfg = config(block_size=16, kv_cache_gb=0.5)
+    shared_cluster, shared = run(cfg, DISAGG, AgenticConfig(seed=6), 8.0, 40)
+    monkeypatch.setattr(cluster_module, "MAX_OPENINGS", 0)
+    own_cluster, own = run(cfg, DISAGG, AgenticConfig(seed=6), 8.0, 40)
+    assert len(shared_cluster._openings) > 1 and not own_cluster._openings
+    assert [r.to_dict() for r in shared] == [r.to_dict() for r in own]

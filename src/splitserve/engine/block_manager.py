@@ -13,7 +13,7 @@ head of the queue so that cached ones are evicted last, oldest first.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from splitserve.common.kv_hash import BlockChain, BlockHash
 from splitserve.engine.free_queue import FreeQueue
@@ -62,9 +62,16 @@ class _Blocks:
         return Block(self._bm, block_id)
 
 
-class PrefixMatch(NamedTuple):
+@dataclass(slots=True)
+class PrefixMatch:
     block_ids: list[int]
     hashes: list[BlockHash]
+
+    # Made at every admission attempt: mypyc compiles a hand-written ``__init__`` (and this
+    # class's property), not a NamedTuple's or ``@dataclass``'s generated methods.
+    def __init__(self, block_ids: list[int], hashes: list[BlockHash]) -> None:
+        self.block_ids = block_ids
+        self.hashes = hashes
 
     @property
     def num_blocks(self) -> int:
@@ -257,15 +264,22 @@ class BlockManager:
         hashes: list[BlockHash],
         token_ids: list[int],
         start_block: int = 0,
+        blocks: list[tuple[int, ...]] | None = None,
     ) -> None:
         """Publish reserved blocks, now filled with the KV of the consecutive full blocks
         ``start_block, start_block + 1, ...`` of ``token_ids``, under their hashes, then
-        release them into the prefix cache."""
+        release them into the prefix cache. ``blocks``: those blocks' tokens as tuples made
+        already (a ``BlockChain``'s), stored as they are; a lookup through that chain then
+        finds them by identity instead of comparing every token."""
         bs = self.block_size
         for i, (block_id, h) in enumerate(zip(block_ids, hashes, strict=True), start_block):
             if h not in self._cached and self._hash[block_id] is None:
                 self._hash[block_id] = h
-                self._tokens[block_id] = tuple(token_ids[i * bs : (i + 1) * bs])
+                self._tokens[block_id] = (
+                    tuple(token_ids[i * bs : (i + 1) * bs])
+                    if blocks is None
+                    else blocks[i - start_block]
+                )
                 self._cached[h] = block_id
         self.release(block_ids)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.plan import ScheduledChunk, StepPlan, StepResult
@@ -49,10 +48,17 @@ class SchedulerConfig:
         check_scheduling_policy(self.policy)
 
 
-class SequenceUpdate(NamedTuple):
+@dataclass(slots=True)
+class SequenceUpdate:
     seq: Sequence
     new_token: int | None  # None when the step only advanced the prefill
     finished: bool
+
+    # One per chunk: a hand-written ``__init__``, as ``PrefixMatch``'s.
+    def __init__(self, seq: Sequence, new_token: int | None, finished: bool) -> None:
+        self.seq = seq
+        self.new_token = new_token
+        self.finished = finished
 
 
 class Scheduler:

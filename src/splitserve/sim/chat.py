@@ -27,15 +27,20 @@ def message_open(role: str) -> tuple[int, int, int]:
 
 def append_prompt(context: list[int], segments: Iterable[Segment], chat: bool) -> None:
     """A turn's new messages onto ``context``; rendered, then opening the reply, if ``chat``."""
-    if not chat:
-        for seg in segments:
-            context.extend(seg.token_ids)
-        return
     for seg in segments:
-        context.extend(message_open(seg.role))
+        append_message(context, seg, chat)
+    if chat:
+        context.extend(message_open("assistant"))
+
+
+def append_message(context: list[int], seg: Segment, chat: bool) -> None:
+    """One message onto ``context``, rendered if ``chat``."""
+    if not chat:
         context.extend(seg.token_ids)
-        context.extend(MESSAGE_CLOSE)
-    context.extend(message_open("assistant"))
+        return
+    context.extend(message_open(seg.role))
+    context.extend(seg.token_ids)
+    context.extend(MESSAGE_CLOSE)
 
 
 def append_reply(context: list[int], output: Iterable[int], chat: bool) -> None:

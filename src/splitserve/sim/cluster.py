@@ -31,7 +31,7 @@ from splitserve.engine.scheduler import SchedulerConfig
 from splitserve.engine.sequence import Sequence
 from splitserve.router.policies import RequestInfo
 from splitserve.router.worker import Worker
-from splitserve.sim.chat import append_prompt, append_reply
+from splitserve.sim.chat import append_message, append_prompt, append_reply
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.engine import SimEngine, StepReport
 from splitserve.sim.events import EventQueue
@@ -39,6 +39,10 @@ from splitserve.sim.kv_moves import PREFILL_SUFFIX, KVMoves
 from splitserve.sim.shared_cores import SharedCores
 from splitserve.sim.state import SimRequest, SimStats, SimWorker
 from splitserve.sim.tiers import SimLadder, TierLoad
+
+# First messages whose block chains a run keeps for the sessions opening with them: a
+# workload's shared system prompts number a few; unique openings stop counting here.
+MAX_OPENINGS = 64
 
 
 @contextlib.contextmanager
@@ -94,6 +98,7 @@ class Cluster:
         self._sessions: Iterator[SessionSpec] = iter(())
         self._contexts: dict[str, list[int]] = {}
         self._chains: dict[str, BlockChain] = {}
+        self._openings: dict[tuple[str, bool, tuple[int, ...]], BlockChain] = {}
         self.moves = KVMoves(self)
         self.cores: SharedCores | None = None
         if config.host_cores:
@@ -157,8 +162,34 @@ class Cluster:
     def _session_arrives(self, spec: SessionSpec) -> None:
         self._next_session()
         self._contexts[spec.session_id] = []
-        self._chains[spec.session_id] = BlockChain(self.root, self.config.block_size)
+        chain = BlockChain(self.root, self.config.block_size)
+        opening = self._opening(spec)
+        if opening is not None:
+            chain.hashes.extend(opening.hashes)
+            chain.tokens.extend(opening.tokens)
+        self._chains[spec.session_id] = chain
         self._send(spec, 0)
+
+    def _opening(self, spec: SessionSpec) -> BlockChain | None:
+        """The chain of the full blocks of ``spec``'s first message, shared by the sessions
+        that open with the same message (an agent type's system prompt). A session's chain
+        starts as a copy of it: the same hashes, and the same token tuples, so that a block
+        cached from another session is recognised by identity rather than compared item by
+        item, and is hashed once per run rather than once per session. The first
+        ``MAX_OPENINGS`` distinct first messages are kept; a session opening with another
+        one hashes its own, as before."""
+        if not spec.turns or not spec.turns[0].segments:
+            return None
+        seg, chat = spec.turns[0].segments[0], self._chat(spec)
+        key = (seg.role, chat, seg.token_ids)
+        chain = self._openings.get(key)
+        if chain is None and len(self._openings) < MAX_OPENINGS:
+            tokens: list[int] = []
+            append_message(tokens, seg, chat)
+            chain = BlockChain(self.root, self.config.block_size)
+            chain.extend(tokens, len(tokens) // self.config.block_size)
+            self._openings[key] = chain
+        return chain
 
     def _send(self, spec: SessionSpec, k: int) -> None:
         turn = spec.turns[k]

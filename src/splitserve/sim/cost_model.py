@@ -35,13 +35,26 @@ from splitserve.sim.models import DTYPE_BYTES, ModelProfile
 ACTIVATION_BYTES = 2  # all-reduce payloads travel in 16-bit
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepShape:
+    """One step's work. Made at every step: its ``__init__`` is written out, because mypyc
+    compiles a hand-written one but leaves the one ``@dataclass`` generates interpreted
+    (frozen, ~25x slower to build; ``docs/simulator.md``, "Scale")."""
+
     tokens: int
     sampled: int
     attended: float
     kv_read: int
     chunks: int
+
+    def __init__(
+        self, tokens: int, sampled: int, attended: float, kv_read: int, chunks: int
+    ) -> None:
+        self.tokens = tokens
+        self.sampled = sampled
+        self.attended = attended
+        self.kv_read = kv_read
+        self.chunks = chunks
 
 
 class CostModel:
@@ -179,16 +192,24 @@ class CostModel:
         return latency + host + disk_tokens * kv / hw.disk_bw
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DecodeLine:
     """Step ``k`` (from 0) of a run of pure decode steps costs
-    ``max(c0 + c1 k, m0 + m1 k) + fixed``; sums and inverses in closed form."""
+    ``max(c0 + c1 k, m0 + m1 k) + fixed``; sums and inverses in closed form. ``__init__``
+    written out for mypyc, as ``StepShape``'s."""
 
     c0: float
     c1: float
     m0: float
     m1: float
     fixed: float
+
+    def __init__(self, c0: float, c1: float, m0: float, m1: float, fixed: float) -> None:
+        self.c0 = c0
+        self.c1 = c1
+        self.m0 = m0
+        self.m1 = m1
+        self.fixed = fixed
 
     def step(self, k: int) -> float:
         return max(self.c0 + self.c1 * k, self.m0 + self.m1 * k) + self.fixed

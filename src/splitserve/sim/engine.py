@@ -33,7 +33,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
-from splitserve.common.kv_hash import BlockHash
+from splitserve.common.kv_hash import BlockChain, BlockHash
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.plan import StepPlan, StepResult
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
@@ -50,11 +50,19 @@ class StepReport:
     first_tokens: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
 
+    def __init__(self) -> None:  # written out for mypyc, as ``StepShape``'s
+        self.first_tokens = []
+        self.finished = []
+
 
 @dataclass(slots=True)
 class _Run:
     steps: int
     line: DecodeLine
+
+    def __init__(self, steps: int, line: DecodeLine) -> None:
+        self.steps = steps
+        self.line = line
 
 
 class SimEngine:
@@ -122,10 +130,13 @@ class SimEngine:
     # ---- KV from outside: a pull, the lower tiers ----------------------------------------
 
     def register(
-        self, block_ids: list[int], hashes: list[BlockHash], token_ids: list[int], start: int
+        self, block_ids: list[int], hashes: list[BlockHash], chain: BlockChain, start: int
     ) -> None:
-        """Publish pulled blocks; like computed ones, they are saved down the tiers."""
-        self.block_manager.register(block_ids, hashes, token_ids, start)
+        """Publish pulled blocks, ``start, start + 1, ...`` of ``chain`` (which covers them),
+        stored with the chain's own token tuples; like computed ones, they are saved down
+        the tiers."""
+        end = start + len(block_ids)
+        self.block_manager.register(block_ids, hashes, [], start, chain.tokens[start:end])
         if self.tiering is not None:
             self.tiering.on_cached(list(zip(block_ids, hashes, strict=True)))
         self._blocked = False

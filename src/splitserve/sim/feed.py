@@ -29,7 +29,7 @@ import sys
 from collections import deque
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,7 +54,7 @@ class DrawRecorder:
         self.seed = seed
         self.rng = session_rng(seed, 0)
         self.arrays: list[np.ndarray] = []  # integers(..., size=n), in order
-        self.scalars: list[int] = []  # integers(...) without a size
+        self.scalars: list[Any] = []  # integers(...) without a size: numpy int64s
         self.normals: list[float] = []
 
     def streams(self) -> Iterator[DrawRecorder]:
@@ -63,7 +63,7 @@ class DrawRecorder:
             yield self
 
     def integers(self, low: int, high: int | None = None, size: int | None = None):
-        value = self.rng.integers(low, high, size)
+        value: Any = self.rng.integers(low, high, size)
         if size is None:
             self.scalars.append(value)
         else:

@@ -92,7 +92,7 @@ class KVMoves:
         loaded: list[BlockHash],
         start: int,
     ) -> None:
-        d.engine.register(dest, loaded, req.prompt, start)
+        d.engine.register(dest, loaded, req.chain, start)
         self.release(p, kept.block_table)
         self._decode_leg(req, d)
 
@@ -174,10 +174,11 @@ class KVMoves:
         self._transfer(home, d, n)
         c.stats.peer_fetches += 1
         c.stats.peer_blocks_moved += n
-        hashes = bm.chain(seq, len(leased)).hashes[local : len(leased)]
+        chain = bm.chain(seq, len(leased))
+        hashes = chain.hashes[local : len(leased)]
 
         def land() -> None:
-            d.engine.register(dest, hashes, req.prompt, local)
+            d.engine.register(dest, hashes, chain, local)
             self._peer_done(req, home, d, seq, leased)
 
         c.events.at(d.link_free, lambda _: c.on_engine(d, land))
