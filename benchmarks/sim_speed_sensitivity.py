@@ -28,17 +28,6 @@ SCALES = (0.9, 0.95, 1.0, 1.05, 1.1)
 OBJECTIVES = ((2.5, 3.0), (1.75, 4.0), (1.75, 3.5), (1.5, 4.0))  # (TTFT prefills, TPOT steps)
 
 
-def slower(hw: HardwareProfile, scale: float) -> HardwareProfile:
-    """``hw`` with every step ``scale`` times as long (peaks divided, overheads multiplied)."""
-    return hw.with_fit(
-        peak_flops={k: v / scale for k, v in hw.peak_flops.items()},
-        hbm_bw=hw.hbm_bw / scale,
-        step_overhead_s=hw.step_overhead_s * scale,
-        seq_overhead_s=hw.seq_overhead_s * scale,
-        multi_row_overhead_s=hw.multi_row_overhead_s * scale,
-    )
-
-
 def run(hw: HardwareProfile, duration: float, rate: float) -> SimResult:
     eng = EngineConfig()
     cfg = SimConfig(
@@ -80,7 +69,7 @@ def main() -> None:
         + "  ".join(f"{s:>4}" for s in SCALES)
     )
     for duration in args.durations:
-        runs = {s: run(slower(hw, s), duration, args.rate) for s in SCALES}
+        runs = {s: run(hw.steps_scaled(s), duration, args.rate) for s in SCALES}
         n = len(runs[1.0].records)
         for tt, tp in OBJECTIVES:
             base = met(runs[1.0], tt * prefill, tp * decode)
@@ -117,7 +106,7 @@ def four_workers(hw: HardwareProfile) -> None:
         for scale in FOUR_SCALES:
             cfg = SimConfig(
                 get_model("smollm2-135m"),
-                slower(hw, scale),
+                hw.steps_scaled(scale),
                 dtype="fp32",
                 kv_cache_gb=0.06,
                 max_num_seqs=64,

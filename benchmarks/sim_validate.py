@@ -14,7 +14,14 @@ Two real sides:
 
 The simulated side runs on ``cpu-local`` (fitted by ``splitserve sim calibrate``) with the
 engine's own settings. Both are summarized by ``bench.metrics``; the script prints goodput
-and p50 TTFT side by side with their ratio (goal: within 15%).
+and p50 TTFT side by side with their ratio (goal: within 15%). A busy system is chaotic: a
+step a little faster or slower moves which turn waits behind which, and a single simulated
+run's p50 TTFT by up to ~10%. ``--jitter PCT`` simulates each run with steps 1 +- PCT% as
+long (five runs: a machine a little off its calibration) and compares their median.
+``--speed-from-run`` (with ``--host-cores`` and a bench run that recorded its CPU figures)
+first scales every step by the run's engine CPU seconds over the simulated engine seconds:
+the machine's speed during the run, which drifts by 5-20% between a calibration and a run
+minutes or hours apart on this shared machine.
 
     .venv/bin/python benchmarks/sim_validate.py --calibration cal.json --rate 0.5 --num 24
     .venv/bin/python benchmarks/sim_validate.py --calibration cal.json --bench-json cmp.json \
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import time
 from collections import deque
 
@@ -151,12 +159,26 @@ FIGURES = (
 )
 
 
-def print_rows(real, sim) -> None:
-    print(f"{'':<22}{'real':>10}{'simulated':>12}{'sim/real':>10}")
+def print_rows(real, sims) -> None:
+    """Each figure real, simulated (the median over ``sims``, with their range when more
+    than one) and their ratio."""
+    sims = sims if isinstance(sims, list) else [sims]
+    spread = len(sims) > 1
+    print(f"{'':<22}{'real':>10}{'simulated':>12}{'sim/real':>10}" + ("  range" if spread else ""))
     for name, figure in FIGURES:
-        a, b = figure(real), figure(sim)
+        a, values = figure(real), sorted(figure(x) for x in sims)
+        b = statistics.median(values)
         ratio = b / a if a else float("nan")
-        print(f"{name:<22}{a:>10.3f}{b:>12.3f}{ratio:>10.2f}")
+        line = f"{name:<22}{a:>10.3f}{b:>12.3f}{ratio:>10.2f}"
+        print(line + (f"  {values[0]:.3f}-{values[-1]:.3f}" if spread else ""))
+
+
+def jitter_scales(percent: float, n: int = 5) -> list[float]:
+    """``n`` step-time scales evenly over ``1 +- percent / 100`` (just 1.0 for 0): how
+    a simulated run moves when the machine is a little faster or slower than calibrated."""
+    if percent <= 0:
+        return [1.0]
+    return [1.0 + percent / 100 * (2 * i / (n - 1) - 1) for i in range(n)]
 
 
 # (what, the bench run's server figure, the simulation's counter): where the host's time went
@@ -166,10 +188,19 @@ HOST_CPU = (
 )
 
 
+REAL_CPU = (
+    "engine_busy_seconds",
+    "engine_cpu_seconds",
+    "worker_cpu_seconds",
+    "router_cpu_seconds",
+    "client_cpu_seconds",
+)
+
+
 def print_host_cpu(real: dict, sim: dict) -> None:
     """The engines' time, real (bench's CPU figures, recorded since they exist) against
     simulated (with --host-cores); and the serving CPU outside the engines."""
-    if "engine_cpu_seconds" not in real or "engine busy (s)" not in sim:
+    if not all(k in real for k in REAL_CPU) or "engine busy (s)" not in sim:
         return
     for name, real_key, sim_key in HOST_CPU:
         a, b = real[real_key], sim[sim_key]
@@ -178,6 +209,19 @@ def print_host_cpu(real: dict, sim: dict) -> None:
     serving += real["router_cpu_seconds"] + real["client_cpu_seconds"]
     b = sim["serving CPU on the shared cores (s)"]
     print(f"{'serving CPU (s)':<22}{serving:>10.1f}{b:>12.1f}{b / serving:>10.2f}")
+
+
+def at_the_runs_speed(cfg: SimConfig, dep, wl, run: dict, duration: float, slo: SLO):
+    """``cfg`` with every step scaled by the real run's engine CPU seconds over the simulated
+    run's engine seconds: the machine's speed during the run, from the run's own engine
+    threads (bench's CPU figures) rather than from a calibration taken before or after it."""
+    server = run["summary"].get("server", {})
+    if "engine_cpu_seconds" not in server or not cfg.host_cores:
+        raise SystemExit("--speed-from-run needs a bench run with CPU figures and --host-cores")
+    sim = simulate(cfg, dep, wl, run["rate"], duration, slo).summary
+    scale = server["engine_cpu_seconds"] / sim.server["engine compute (s)"]
+    print(f"\n{run['deployment']}: steps scaled by {scale:.3f} (the run's engine CPU)")
+    return dataclasses.replace(cfg, hardware=cfg.hardware.steps_scaled(scale))
 
 
 def against_bench(args, workload, slo: SLO) -> None:
@@ -194,12 +238,18 @@ def against_bench(args, workload, slo: SLO) -> None:
         real = summarize(records, run["summary"]["duration_s"], slo)
         duration = max(r.start_s for r in records if r.turn == 0) + 1e-9
         cfg = cpu_local(args.calibration, **settings)
-        sim = simulate(cfg, dep, wl, run["rate"], duration, slo).summary
+        if args.speed_from_run:
+            cfg = at_the_runs_speed(cfg, dep, wl, run, duration, slo)
+        sims = [
+            simulate(dataclasses.replace(cfg, hardware=cfg.hardware.steps_scaled(x)), dep, wl,
+                     run["rate"], duration, slo).summary
+            for x in jitter_scales(args.jitter)
+        ]  # fmt: skip
         shown = ", ".join(f"{k} {v}" for k, v in settings.items())
         print(f"\n{run['deployment']} ({dep.describe()}; {shown}) at {run['rate']:g}/s:")
-        print_rows(real, sim)
-        print_host_cpu(run["summary"].get("server", {}), sim.server)
-        table.append((run["deployment"], run["rate"], real, sim))
+        print_rows(real, sims)
+        print_host_cpu(run["summary"].get("server", {}), sims[len(sims) // 2].server)
+        table.append((run["deployment"], run["rate"], real, sims))
     print_markdown(table)
 
 
@@ -235,8 +285,9 @@ def print_markdown(table) -> None:
         "| p50 TTFT real / sim (ms) | sim / real |"
     )
     print("|---|---|---|---|---|---|")
-    for name, rate, real, sim in table:
-        g, t = (real.request_goodput, sim.request_goodput), (real.ttft.median, sim.ttft.median)
+    for name, rate, real, sims in table:
+        g = real.request_goodput, statistics.median(x.request_goodput for x in sims)
+        t = real.ttft.median, statistics.median(x.ttft.median for x in sims)
         print(
             f"| {name} | {rate:g}/s | {g[0]:.3f} / {g[1]:.3f} | **{g[1] / g[0]:.2f}** "
             f"| {t[0]:.0f} / {t[1]:.0f} | **{t[1] / t[0]:.2f}** |"
@@ -252,6 +303,20 @@ def main() -> None:
     ap.add_argument("--bench-json", default=None, help="a `bench compare --json` output")
     ap.add_argument(
         "--no-chat-template", action="store_true", help="simulate chat prompts without it"
+    )
+    ap.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        metavar="PCT",
+        help="with --bench-json: simulate each run with steps 1 +- PCT%% as long (5 runs) and "
+        "compare the real run with their median (a single run of a busy system is chaotic)",
+    )
+    ap.add_argument(
+        "--speed-from-run",
+        action="store_true",
+        help="with --bench-json and --host-cores: scale the calibration's steps to the real "
+        "run's engine CPU seconds (the machine's speed during the run)",
     )
     ap.add_argument(
         "--host-cores",

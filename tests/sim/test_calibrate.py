@@ -129,6 +129,7 @@ def test_the_real_engine_steps_and_host_tier_loads_are_measured():
         decode_batches=(1, 3),
         engine=engine,
         context_prefills=((16, 32),),
+        mixed=((16, 2),),
     )
     prefill = [s.shape for s in samples[:3]]
     assert prefill == [
@@ -136,19 +137,23 @@ def test_the_real_engine_steps_and_host_tier_loads_are_measured():
         StepShape(48, 1, 48 * 49 / 2, 48, 1),
         StepShape(16, 1, 16 * 32 + 16 * 17 / 2, 48, 1),  # 16 new tokens after 32 cached
     ]
-    decode = [s.shape for s in samples[3:]]
+    decode = [s.shape for s in samples[3:5]]
     assert [(s.tokens, s.chunks) for s in decode] == [(1, 1), (3, 3)]
+    # A 16-token prefill in the step of two decoders, each reading its 128-token prompt and
+    # the token it decodes: 18 tokens, 3 sampled, 3 chunks.
+    (mixed,) = [s.shape for s in samples[5:]]
+    assert (mixed.tokens, mixed.sampled, mixed.chunks, mixed.kv_read) == (18, 3, 3, 16 + 2 * 129)
     assert all(s.seconds > 0 for s in samples)
     # Regression: a second measurement on the same engine reused the first one's request ids
     # and prompts (its prefills then hit the prefix cache and measured shorter steps).
-    again = measure(None, 1, 1, (16, 48), (1,), engine=engine, context_prefills=())
+    again = measure(None, 1, 1, (16, 48), (1,), engine=engine, context_prefills=(), mixed=())
     assert [s.shape for s in again[:2]] == prefill[:2]
     # The real KV mover, host RAM -> the engine's KV cache: some bytes per second, at most
     # what this machine's memory moves (a copy reads and writes; 100 GB/s is far above it).
     assert 1e7 < measure_host_load(engine, blocks=16, repeats=1) < 1e11
     # --co-run: the same grid beside a second engine computing in another process, which is
     # gone afterwards.
-    grid = dict(prefill_lens=(16,), decode_batches=(1,), context_prefills=())
+    grid = dict(prefill_lens=(16,), decode_batches=(1,), context_prefills=(), mixed=())
     beside = measure_co_run(engine, 1, 1, **grid)
     assert [(s.shape.tokens, s.shape.chunks) for s in beside] == [(16, 1), (1, 1)]
     assert all(s.seconds > 0 for s in beside)

@@ -142,3 +142,17 @@ def test_attention_at_its_own_efficiency():
     attention = 4 * model.layers * model.heads * model.head_dim * after.attended / 90e9
     assert cost.compute_time(after) - cost.compute_time(fresh) == pytest.approx(attention / 0.4)
     assert same.compute_time(after) - same.compute_time(fresh) == pytest.approx(attention / 0.8)
+
+
+@pytest.mark.parametrize("scale", [0.98, 1.1])
+def test_a_profile_with_steps_scaled_scales_every_step_exactly(scale):
+    # cpu-local at TP1 (no all-reduce latency): compute- and memory-bound steps, one
+    # token or many, each exactly `scale` times as long; the link is not a step.
+    hw = get_hardware("cpu-local").with_fit(multi_row_overhead_s=0.03, seq_overhead_s=0.002)
+    base = CostModel(get_model("smollm2-135m"), hw, 1, "fp32")
+    scaled = CostModel(get_model("smollm2-135m"), hw.steps_scaled(scale), 1, "fp32")
+    for shape in (StepShape(1, 1, 300, 300, 1), StepShape(512, 1, 512 * 513 / 2, 512, 1)):
+        assert scaled.step_time(shape) == pytest.approx(scale * base.step_time(shape), rel=1e-12)
+    assert scaled.transfer_time(1000, True) == base.transfer_time(1000, True)
+    with pytest.raises(ValueError, match="scale must be > 0"):
+        hw.steps_scaled(0.0)

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import json
 from pathlib import Path
 
+import pytest
+
+from splitserve.bench.metrics import SLO
+from splitserve.bench.report import run_dict, write_json
+from splitserve.bench.workloads import RandomConfig
 from splitserve.sim.deployment import Deployment
+from splitserve.sim.run import simulate
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_validate.py"
 
@@ -41,3 +49,62 @@ def test_the_stored_serve_command_line_sets_the_simulated_system():
     run = {"deployment": "collocated-session-tiers-peer", "summary": {}}
     dep, settings = sv.simulated_system(run)
     assert dep == Deployment(collocated=2) and settings["kv_peer_fetch"] is True
+
+
+def test_a_simulated_run_validated_against_itself_gives_ratios_of_one(tmp_path, capsys):
+    # The plumbing end to end: a bench-shaped JSON of a simulated run (same deployment,
+    # seed, rate and engine settings as sim_validate rebuilds) compares at 1.00; with
+    # --jitter the simulated side is the median of five runs a little faster and slower.
+    sv = load_script()
+    fit = {"compute_eff": 0.9, "memory_eff": 1.0, "step_overhead_s": 0.005, "seq_overhead_s": 0.0}
+    calibration = tmp_path / "cal.json"
+    calibration.write_text(json.dumps({"fit": fit}))
+    workload, slo = RandomConfig(input_len=64, output_len=8, seed=3), SLO(ttft_ms=400)
+    dep, argv = Deployment(collocated=2), "--prefill 0 --decode 2 --policy round-robin"
+    cfg = sv.cpu_local(str(calibration), policy="round-robin", chat_template=False)
+    run = simulate(cfg, dep, workload, 2.0, 6.0, slo).run
+    run.summary.info.update(workload=workload.describe(), deployment=f"collocated-rr: x; {argv}")
+    bench_json = tmp_path / "runs.json"
+    write_json(bench_json, [run_dict(run, deployment="collocated-rr", rate=2.0)])
+    args = argparse.Namespace(
+        bench_json=str(bench_json), calibration=str(calibration), no_chat_template=False,
+        host_cores=None, jitter=0.0, speed_from_run=False,
+    )  # fmt: skip
+    sv.against_bench(args, workload, slo)
+    assert "| collocated-rr | 2/s |" in (out := capsys.readouterr().out)
+    assert out.count("**1.00**") == 2 and "range" not in out
+    args.jitter = 5.0
+    sv.against_bench(args, workload, slo)
+    out = capsys.readouterr().out
+    assert "range" in out and "| collocated-rr | 2/s |" in out
+    assert sv.jitter_scales(2.0) == pytest.approx([0.98, 0.99, 1.0, 1.01, 1.02])
+    assert sv.jitter_scales(0.0) == [1.0]
+
+
+def test_speed_from_run_scales_the_steps_to_the_runs_engine_cpu(tmp_path, capsys):
+    # A "real" run whose engine threads took 1.1x the simulated engine seconds: the machine
+    # ran 10% slower than calibrated, and the simulation is redone at that speed.
+    sv = load_script()
+    calibration = tmp_path / "cal.json"
+    fit = {"compute_eff": 0.9, "memory_eff": 1.0, "step_overhead_s": 0.005, "seq_overhead_s": 0.0}
+    calibration.write_text(json.dumps({"fit": fit}))
+    workload, slo = RandomConfig(input_len=64, output_len=8, seed=3), SLO(ttft_ms=400)
+    dep, argv = Deployment(collocated=2), "--prefill 0 --decode 2 --policy round-robin"
+    cfg = sv.cpu_local(str(calibration), policy="round-robin", chat_template=False, host_cores=2)
+    run = simulate(cfg, dep, workload, 2.0, 6.0, slo).run
+    run.summary.info.update(workload=workload.describe(), deployment=f"collocated-rr: x; {argv}")
+    engine_s = run.summary.server["engine compute (s)"]
+    run.summary.server.clear()
+    run.summary.server["engine_cpu_seconds"] = 1.1 * engine_s
+    bench_json = tmp_path / "runs.json"
+    write_json(bench_json, [run_dict(run, deployment="collocated-rr", rate=2.0)])
+    args = argparse.Namespace(
+        bench_json=str(bench_json), calibration=str(calibration), no_chat_template=False,
+        host_cores=2, jitter=0.0, speed_from_run=True,
+    )  # fmt: skip
+    sv.against_bench(args, workload, slo)
+    out = capsys.readouterr().out
+    assert "collocated-rr: steps scaled by 1.100 (the run's engine CPU)" in out
+    args.host_cores = None
+    with pytest.raises(SystemExit, match="needs a bench run with CPU figures and --host-cores"):
+        sv.against_bench(args, workload, slo)

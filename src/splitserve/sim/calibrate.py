@@ -43,6 +43,9 @@ DECODE_BATCHES = (1, 4, 8, 16)
 DECODE_CONTEXT = 128
 # Prefills of (new tokens, cached tokens before them): a later turn over its cached context.
 CONTEXT_PREFILLS = ((32, 512), (128, 512))
+# Prefills of (new tokens) in one step with (decoders) of DECODE_CONTEXT-token prompts: a
+# request arriving at a busy worker, the step that decides its TTFT.
+MIXED = ((64, 1), (64, 3), (128, 4))
 # Each ``measure`` call draws its own prompts and request ids: measuring twice on one engine
 # (before and after a run) must neither hit the first call's prompts in the prefix cache nor
 # reuse the ids it left behind.
@@ -88,9 +91,10 @@ def measure(
     decode_batches: tuple[int, ...] = DECODE_BATCHES,
     engine=None,
     context_prefills: tuple[tuple[int, int], ...] = CONTEXT_PREFILLS,
+    mixed: tuple[tuple[int, int], ...] = MIXED,
 ) -> list[Sample]:
-    """Step times of the real engine: single prefills, prefills after a cached context, then
-    decode steps at each batch."""
+    """Step times of the real engine: single prefills, prefills after a cached context,
+    decode steps at each batch, then prefills next to decodes."""
     from splitserve.common.sampling_params import SamplingParams
 
     if engine is None:
@@ -135,6 +139,20 @@ def measure(
         ):
             engine.step()
         for _ in range(repeats):
+            samples.append(timed_step())
+        for rid in ids:
+            engine.abort_request(rid)
+    for n, b in mixed:
+        params = SamplingParams(max_tokens=2 * repeats + 2, temperature=0.0, ignore_eos=True)
+        ids = [next(counter) for _ in range(b)]
+        for rid in ids:
+            engine.add_request(rid, prompt(DECODE_CONTEXT), params)
+        while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or (
+            engine.scheduler.waiting
+        ):
+            engine.step()
+        for _ in range(repeats):
+            engine.add_request(next(counter), prompt(n), one)  # its prefill joins the decodes
             samples.append(timed_step())
         for rid in ids:
             engine.abort_request(rid)

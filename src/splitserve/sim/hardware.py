@@ -95,6 +95,21 @@ class HardwareProfile:
         """This profile with fitted efficiency factors / overhead (from ``sim calibrate``)."""
         return dataclasses.replace(self, **values)
 
+    def steps_scaled(self, scale: float) -> HardwareProfile:
+        """This profile with every engine step ``scale`` times as long: peaks divided,
+        per-step overheads multiplied (links, tiers and serving work unchanged). A machine a
+        few percent faster or slower than its calibration (``sim_validate.py --jitter``)."""
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0, got {scale}")
+        return dataclasses.replace(
+            self,
+            peak_flops={k: v / scale for k, v in self.peak_flops.items()},
+            hbm_bw=self.hbm_bw / scale,
+            step_overhead_s=self.step_overhead_s * scale,
+            seq_overhead_s=self.seq_overhead_s * scale,
+            multi_row_overhead_s=self.multi_row_overhead_s * scale,
+        )
+
 
 HARDWARE: dict[str, HardwareProfile] = {
     p.name: p
