@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 
 from splitserve.cluster.local import LocalDeployment, WorkerProcess, free_port, worker_argv
-from splitserve.sim.calibrate import build_engine, measure
+from splitserve.sim.step_timing import build_engine, measure
 
 
 def start_worker() -> tuple[LocalDeployment, str]:

@@ -9,21 +9,23 @@ import pytest
 
 from splitserve.cli import main
 from splitserve.sim.calibrate import (
-    Sample,
-    build_engine,
-    busy_neighbour,
-    co_run_slowdown,
     cost_model_of,
     fit,
-    measure,
-    measure_co_run,
-    measure_host_load,
     peak_cost_model,
     read_samples,
     write_calibration,
 )
 from splitserve.sim.cost_model import StepShape
 from splitserve.sim.hardware import get_hardware, load_calibration
+from splitserve.sim.step_timing import (
+    Sample,
+    build_engine,
+    busy_neighbour,
+    co_run_slowdown,
+    measure,
+    measure_co_run,
+    measure_host_load,
+)
 
 
 def shapes() -> list[StepShape]:

@@ -27,20 +27,13 @@ from splitserve.bench.metrics import SLO, Summary, summarize
 from splitserve.bench.workloads import RandomConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.config import EngineConfig
-from splitserve.sim.calibrate import (
-    Sample,
-    build_engine,
-    fit,
-    measure,
-    medians,
-    peak_cost_model,
-    write_calibration,
-)
+from splitserve.sim.calibrate import fit, peak_cost_model, write_calibration
 from splitserve.sim.cost_model import StepShape
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware, load_calibration
 from splitserve.sim.models import get_model
 from splitserve.sim.run import SimResult, simulate
+from splitserve.sim.step_timing import Sample, build_engine, measure, medians
 
 # Timing against timing on a shared 2-core machine (docs/simulator.md, "A test of the 15%"):
 # it runs in `make test-timing`, not `make test`.

@@ -16,46 +16,32 @@ loading blocks from a host-RAM tier into the engine's KV cache: the simulated ho
 loads' bandwidth (``host_bw``). ``--co-run`` times the grid once more while a second engine
 computes in another process: ``co_run_slowdown``, how much two workers sharing this machine
 slow each other beyond the share of cores (``sim --host-cores``). ``--refit FILE`` fits the
-samples of an earlier ``--out`` file again, measuring nothing.
+samples of an earlier ``--out`` file again, measuring nothing. The measurements live in
+``step_timing``; this module fits them and reads and writes calibration files.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import itertools
 import json
-import multiprocessing
 import os
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
 from splitserve.sim.cost_model import CostModel, StepShape
 from splitserve.sim.hardware import get_hardware
 from splitserve.sim.models import get_model
-
-PREFILL_LENS = (32, 128, 256, 512)
-DECODE_BATCHES = (1, 4, 8, 16)
-DECODE_CONTEXT = 128
-# Prefills of (new tokens, cached tokens before them): a later turn over its cached context.
-CONTEXT_PREFILLS = ((32, 512), (128, 512))
-# Prefills of (new tokens) in one step with (decoders) of DECODE_CONTEXT-token prompts: a
-# request arriving at a busy worker, the step that decides its TTFT.
-MIXED = ((64, 1), (64, 3), (128, 4))
-# Each ``measure`` call draws its own prompts and request ids: measuring twice on one engine
-# (before and after a run) must neither hit the first call's prompts in the prefix cache nor
-# reuse the ids it left behind.
-_CALLS = itertools.count()
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    shape: StepShape
-    seconds: float
+from splitserve.sim.step_timing import (
+    DECODE_CONTEXT,
+    Sample,
+    build_engine,
+    co_run_slowdown,
+    measure,
+    measure_co_run,
+    measure_host_load,
+    medians,
+)
 
 
 def add_calibrate_args(p: argparse.ArgumentParser) -> None:
@@ -74,188 +60,6 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="fit the samples of an earlier `sim calibrate --out` FILE again (measures nothing)",
     )
-
-
-def build_engine(model_path: str | None, threads: int):
-    from splitserve.config import EngineConfig
-    from splitserve.engine.llm_engine import LLMEngine
-
-    return LLMEngine(EngineConfig(model=model_path, threads=threads))
-
-
-def measure(
-    model_path: str | None,
-    threads: int,
-    repeats: int,
-    prefill_lens: tuple[int, ...] = PREFILL_LENS,
-    decode_batches: tuple[int, ...] = DECODE_BATCHES,
-    engine=None,
-    context_prefills: tuple[tuple[int, int], ...] = CONTEXT_PREFILLS,
-    mixed: tuple[tuple[int, int], ...] = MIXED,
-) -> list[Sample]:
-    """Step times of the real engine: single prefills, prefills after a cached context,
-    decode steps at each batch, then prefills next to decodes."""
-    from splitserve.common.sampling_params import SamplingParams
-
-    if engine is None:
-        engine = build_engine(model_path, threads)
-    call = next(_CALLS)
-    rng = np.random.default_rng(call)
-    samples: list[Sample] = []
-    counter = (f"c{call}-{i}" for i in itertools.count())
-
-    def prompt(n: int) -> list[int]:
-        return [int(t) for t in rng.integers(1000, 40000, n)]
-
-    def timed_step() -> Sample:
-        plan = engine.scheduler.schedule()
-        start = time.perf_counter()
-        result = engine.runner.execute(plan)
-        seconds = time.perf_counter() - start
-        engine.scheduler.update(plan, result)
-        return Sample(_shape(plan), seconds)
-
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    for n in (*prefill_lens[:1], *prefill_lens):  # the first one warms up
-        for _ in range(repeats):
-            engine.add_request(next(counter), prompt(n), one)
-            samples.append(timed_step())
-    del samples[:repeats]
-    for n, cached in context_prefills:
-        context = prompt(cached)
-        engine.add_request(next(counter), context, one)  # computes and caches it
-        while engine.has_unfinished_requests():
-            engine.step()
-        for _ in range(repeats):
-            engine.add_request(next(counter), context + prompt(n), one)
-            samples.append(timed_step())
-    for b in decode_batches:
-        params = SamplingParams(max_tokens=repeats + 2, temperature=0.0, ignore_eos=True)
-        ids = [next(counter) for _ in range(b)]
-        for rid in ids:
-            engine.add_request(rid, prompt(DECODE_CONTEXT), params)
-        while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or (
-            engine.scheduler.waiting
-        ):
-            engine.step()
-        for _ in range(repeats):
-            samples.append(timed_step())
-        for rid in ids:
-            engine.abort_request(rid)
-    for n, b in mixed:
-        params = SamplingParams(max_tokens=2 * repeats + 2, temperature=0.0, ignore_eos=True)
-        ids = [next(counter) for _ in range(b)]
-        for rid in ids:
-            engine.add_request(rid, prompt(DECODE_CONTEXT), params)
-        while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or (
-            engine.scheduler.waiting
-        ):
-            engine.step()
-        for _ in range(repeats):
-            engine.add_request(next(counter), prompt(n), one)  # its prefill joins the decodes
-            samples.append(timed_step())
-        for rid in ids:
-            engine.abort_request(rid)
-    return samples
-
-
-def measure_co_run(engine, threads: int, repeats: int, **grid) -> list[Sample]:
-    """``measure`` on ``engine`` while a second engine (another process, the same model and
-    threads) runs prefills and decodes of its own without pause."""
-    with busy_neighbour(threads):
-        return measure(None, threads, repeats, engine=engine, **grid)
-
-
-@contextlib.contextmanager
-def busy_neighbour(
-    threads: int, timeout_s: float = 300.0, target: Callable[..., None] | None = None
-) -> Iterator[None]:
-    """A second engine computing in another process for the duration of the block; the
-    process is gone when the block ends, however it ends. (``target(threads, ready, stop)``
-    replaces the engine's loop in tests.)"""
-    ctx = multiprocessing.get_context("spawn")  # a forked torch process can deadlock
-    ready, stop = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=target or _keep_busy, args=(threads, ready, stop), daemon=True)
-    proc.start()
-    try:
-        if not ready.wait(timeout_s):
-            raise RuntimeError(f"the second engine did not start within {timeout_s:g} s")
-        yield
-    finally:
-        stop.set()
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-
-
-def _keep_busy(threads: int, ready, stop) -> None:
-    """Four requests in flight at all times (128-token prompts, 16-token replies), stepped
-    until ``stop``: prefills mixed with decode batches, as a worker under load."""
-    from splitserve.common.sampling_params import SamplingParams
-
-    engine = build_engine(None, threads)
-    rng = np.random.default_rng(1 << 20)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    ready.set()
-    for i in itertools.count():
-        if stop.is_set():
-            return
-        if len(engine.scheduler.running) + len(engine.scheduler.waiting) < 4:
-            prompt = [int(t) for t in rng.integers(1000, 40000, 128)]
-            engine.add_request(f"busy-{i}", prompt, params)
-        engine.step()
-
-
-def co_run_slowdown(alone: list[Sample], co_run: list[Sample]) -> float:
-    """The median over the grid's steps of (time with a neighbour / time alone) - 1."""
-    pairs = zip(medians(alone), medians(co_run), strict=True)
-    return float(np.median([b.seconds / a.seconds for a, b in pairs])) - 1.0
-
-
-def measure_host_load(engine, blocks: int = 128, repeats: int = 3) -> float:
-    """Bytes per second at which the real KV mover loads ``blocks`` blocks from a host-RAM
-    tier into ``engine``'s KV cache (read, copy, scatter: the median of ``repeats`` loads)."""
-    from splitserve.engine.kv_mover import KVMover
-    from splitserve.engine.tiering import BlockCopy
-    from splitserve.kvstore import HostTier, TieredStore
-
-    blocks = min(blocks, engine.block_manager.num_blocks)
-    ids = list(range(blocks))
-    hashes = [i.to_bytes(16, "little") for i in ids]
-    store = TieredStore([HostTier(2**40)])
-    seconds: list[float] = []
-    mover = KVMover(engine.runner.kv_cache, store, ["host"], lambda _t, s, _n: seconds.append(s))
-    try:
-        for i in range(repeats + 1):  # the first copy saves the blocks into host RAM
-            mover.submit([BlockCopy(i, "load" if i else "save", ids, hashes)])
-            while not mover.completed():
-                mover.wait(0.1)
-    finally:
-        mover.close()
-        store.close()
-    return blocks * mover.block_nbytes / float(np.median(seconds))
-
-
-def _shape(plan) -> StepShape:
-    tokens = sum(c.num_tokens for c in plan.chunks)
-    attended = sum(
-        c.num_tokens * c.start_pos + c.num_tokens * (c.num_tokens + 1) / 2 for c in plan.chunks
-    )
-    kv_read = sum(c.context_len for c in plan.chunks)
-    sampled = sum(c.sample for c in plan.chunks)
-    return StepShape(tokens, sampled, attended, kv_read, len(plan.chunks))
-
-
-def medians(samples: list[Sample]) -> list[Sample]:
-    """One sample per step (tokens, sequences, context before them in 16-token blocks), its
-    median time: the machine is shared and noisy. A decode step's context grows by one per
-    repeat; the first one's shape stands for them."""
-    by_step: dict[tuple[int, int, int], list[Sample]] = {}
-    for s in samples:
-        before = (s.shape.kv_read - s.shape.tokens) // s.shape.chunks
-        by_step.setdefault((s.shape.tokens, s.shape.chunks, before // 16), []).append(s)
-    return [Sample(g[0].shape, float(np.median([s.seconds for s in g]))) for g in by_step.values()]
 
 
 OVERHEADS = ("step_overhead_s", "seq_overhead_s", "multi_row_overhead_s")
