@@ -26,35 +26,17 @@ import json
 import secrets
 
 import numpy as np
+from sim_speed_sensitivity import AGENTIC
 
 from splitserve.bench.client import Endpoint
 from splitserve.bench.compare import DEPLOYMENTS, Running, serve_argv
 from splitserve.bench.load import Load, run_load
-from splitserve.bench.workloads import AgenticConfig, LogNormal
+from splitserve.bench.scrape import serving_cpu_seconds
+from splitserve.bench.workloads import LogNormal
 from splitserve.cluster.local import free_port
 
-WORKLOAD = AgenticConfig(
-    agent_types=4,
-    system_tokens=256,
-    task_tokens=32,
-    min_tool_calls=3,
-    max_tool_calls=5,
-    tool_call_tokens=8,
-    answer_tokens=16,
-    tool_result_tokens=LogNormal(64, 0.5),
-    tool_pause_s=LogNormal(0.05, 0.1),
-)
-
-
-def serving_cpu(server: dict[str, float]) -> float:
-    """CPU seconds outside the engine threads' steps."""
-    engine = server["engine_cpu_seconds"]
-    return (
-        server["worker_cpu_seconds"]
-        - engine
-        + server["router_cpu_seconds"]
-        + (server["client_cpu_seconds"])
-    )
+# The validation runs' sessions, with short tool pauses: one session at a time, nothing idles.
+WORKLOAD = dataclasses.replace(AGENTIC, tool_pause_s=LogNormal(0.05, 0.1))
 
 
 FIGURES = ("serving_cpu_per_request_s", "serving_cpu_per_token_s", "kv_copy_cpu_per_block_s")
@@ -80,7 +62,7 @@ def play(name: str, workloads, duration_s: float) -> list[tuple[float, ...]]:
     with Running(dep, argv, url, key, 300.0):
         for workload in workloads:
             s = asyncio.run(run_load(Endpoint(url, key), workload, load, progress=False)).summary
-            server, cpu = s.server, serving_cpu(s.server)
+            server, cpu = s.server, serving_cpu_seconds(s.server)
             blocks = server["kv_blocks_saved"] + server["kv_blocks_loaded"]
             runs.append((s.completed, s.total_output_tokens, blocks, cpu))
             print(

@@ -42,6 +42,7 @@ from collections import deque
 from splitserve.bench.cli import add_run_args, workload_from_args
 from splitserve.bench.compare import DEPLOYMENTS
 from splitserve.bench.metrics import SLO, RequestRecord, summarize
+from splitserve.bench.scrape import serving_cpu_seconds
 from splitserve.bench.workloads import API_CHAT, SessionSpec
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.sim.deployment import Deployment, SimConfig
@@ -205,8 +206,7 @@ def print_host_cpu(real: dict, sim: dict) -> None:
     for name, real_key, sim_key in HOST_CPU:
         a, b = real[real_key], sim[sim_key]
         print(f"{name:<22}{a:>10.1f}{b:>12.1f}{b / a if a else float('nan'):>10.2f}")
-    serving = real["worker_cpu_seconds"] - real["engine_cpu_seconds"]
-    serving += real["router_cpu_seconds"] + real["client_cpu_seconds"]
+    serving = serving_cpu_seconds(real)
     b = sim["serving CPU on the shared cores (s)"]
     print(f"{'serving CPU (s)':<22}{serving:>10.1f}{b:>12.1f}{b / serving:>10.2f}")
 

@@ -135,3 +135,11 @@ def test_server_figures_are_the_runs_share_of_the_counters():
     assert figures["prefill_tokens_computed"] == 250.0
     assert figures["turns_moved_fraction"] == 0.25  # 10 of 40 turns left the previous worker
     assert server_figures(before, before)["turns_moved_fraction"] == 0.0
+
+
+def test_serving_cpu_is_everything_but_the_engine_threads_steps():
+    from splitserve.bench.scrape import serving_cpu_seconds
+
+    figures = {"worker_cpu_seconds": 50.0, "engine_cpu_seconds": 45.0}
+    figures |= {"router_cpu_seconds": 2.0, "client_cpu_seconds": 1.5}
+    assert serving_cpu_seconds(figures) == 8.5  # 5 in the workers, 2 router, 1.5 client

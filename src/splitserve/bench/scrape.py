@@ -102,6 +102,13 @@ def _samples(text: str) -> dict[str, float]:
     return out
 
 
+def serving_cpu_seconds(figures: dict[str, float]) -> float:
+    """A run's CPU seconds outside the engine threads' steps: the rest of the workers, the
+    router and the load generator (``run_load``'s figures)."""
+    worker = figures["worker_cpu_seconds"] - figures["engine_cpu_seconds"]
+    return worker + figures["router_cpu_seconds"] + figures["client_cpu_seconds"]
+
+
 def server_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """The run's share of the servers' counters, and the hit rate derived from them."""
     delta = {k: after[k] - before.get(k, 0.0) for k in after}

@@ -94,8 +94,10 @@ def measure(
         for _ in range(repeats):
             engine.add_request(next(counter), context + prompt(n), one)
             samples.append(timed_step())
-    for b in decode_batches:
-        params = SamplingParams(max_tokens=repeats + 2, temperature=0.0, ignore_eos=True)
+
+    def start_decoders(b: int, max_tokens: int) -> list[str]:
+        """``b`` requests of ``DECODE_CONTEXT``-token prompts, stepped until all decode."""
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         ids = [next(counter) for _ in range(b)]
         for rid in ids:
             engine.add_request(rid, prompt(DECODE_CONTEXT), params)
@@ -103,19 +105,16 @@ def measure(
             engine.scheduler.waiting
         ):
             engine.step()
+        return ids
+
+    for b in decode_batches:
+        ids = start_decoders(b, repeats + 2)
         for _ in range(repeats):
             samples.append(timed_step())
         for rid in ids:
             engine.abort_request(rid)
     for n, b in mixed:
-        params = SamplingParams(max_tokens=2 * repeats + 2, temperature=0.0, ignore_eos=True)
-        ids = [next(counter) for _ in range(b)]
-        for rid in ids:
-            engine.add_request(rid, prompt(DECODE_CONTEXT), params)
-        while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or (
-            engine.scheduler.waiting
-        ):
-            engine.step()
+        ids = start_decoders(b, 2 * repeats + 2)
         for _ in range(repeats):
             engine.add_request(next(counter), prompt(n), one)  # its prefill joins the decodes
             samples.append(timed_step())
