@@ -9,11 +9,13 @@ import inspect
 import pytest
 
 from splitserve.bench.metrics import RequestRecord
+from splitserve.bench.workloads import Segment, SessionSpec, TurnSpec
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.block_manager import PrefixMatch
 from splitserve.engine.plan import ScheduledChunk, StepPlan, StepResult
 from splitserve.engine.scheduler import SequenceUpdate
 from splitserve.engine.sequence import Sequence
+from splitserve.router.policies import RequestInfo
 from splitserve.sim.cost_model import DecodeLine, StepShape
 from splitserve.sim.engine import StepReport, _Run
 from splitserve.sim.state import SimRequest
@@ -31,7 +33,12 @@ HAND_WRITTEN = [
     StepReport,
     _Run,
     SimRequest,
+    Segment,
+    TurnSpec,
+    SessionSpec,
+    RequestInfo,
 ]
+FROZEN = [Segment, TurnSpec, SessionSpec, RequestInfo]
 
 
 def _default(f: dataclasses.Field[object]) -> object:
@@ -67,3 +74,14 @@ def test_a_default_list_is_fresh_per_instance() -> None:
     assert a.block_table is not b.block_table and a.block_hashes is not b.block_hashes
     assert a.num_prompt_tokens == 1
     assert RequestRecord("s", 0, 0.0).itl_s is not RequestRecord("s", 0, 0.0).itl_s
+
+
+@pytest.mark.parametrize("cls", FROZEN, ids=lambda c: c.__name__)
+def test_frozen_classes_with_a_hand_written_init_stay_frozen_and_hashable(cls: type) -> None:
+    required = [f for f in dataclasses.fields(cls) if _default(f) is dataclasses.MISSING]
+    a, b = (cls(*[(1, 2) for _ in required]) for _ in range(2))
+    assert a == b and hash(a) == hash(b) and a is not b
+    name = dataclasses.fields(cls)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(a, name, (3,))
+    assert dataclasses.replace(a, **{name: (3,)}) != a

@@ -98,6 +98,7 @@ class Cluster:
         self._sessions: Iterator[SessionSpec] = iter(())
         self._contexts: dict[str, list[int]] = {}
         self._chains: dict[str, BlockChain] = {}
+        self._prefix_keys: dict[str, str] = {}  # a session's prefill placement key
         self._openings: dict[tuple[str, bool, tuple[int, ...]], BlockChain] = {}
         self.moves = KVMoves(self)
         self.cores: SharedCores | None = None
@@ -168,6 +169,9 @@ class Cluster:
             chain.hashes.extend(opening.hashes)
             chain.tokens.extend(opening.tokens)
         self._chains[spec.session_id] = chain
+        # The first message's first 128 tokens, hashed once per session (not per turn).
+        shared = spec.turns[0].segments[0].token_ids[:128]
+        self._prefix_keys[spec.session_id] = f"shared:{hash(shared)}"
         self._send(spec, 0)
 
     def _opening(self, spec: SessionSpec) -> BlockChain | None:
@@ -199,8 +203,7 @@ class Cluster:
         rid = f"{spec.session_id}#{k}"
         self.outputs[rid] = turn.output_ids
         key = spec.session_id if spec.sticky else f"prefix:{hash(tuple(context[:128]))}"
-        shared = spec.turns[0].segments[0].token_ids[:128]
-        info = RequestInfo(key, f"shared:{hash(shared)}", len(context))
+        info = RequestInfo(key, self._prefix_keys[spec.session_id], len(context))
         record = RequestRecord(spec.session_id, k, self.now, prompt_tokens=len(context))
         chain = self._chains[spec.session_id]
         req = SimRequest(rid, spec, k, context, record, info, chain)
@@ -405,6 +408,7 @@ class Cluster:
         if output is None or k + 1 >= len(spec.turns):
             del self._contexts[spec.session_id]
             del self._chains[spec.session_id]
+            del self._prefix_keys[spec.session_id]
             return
         append_reply(self._contexts[spec.session_id], output, self._chat(spec))
         self.events.at(self.now + spec.turns[k + 1].pause_s, self._next_turn, (spec, k + 1))
