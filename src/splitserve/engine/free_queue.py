@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-
 _IDS: list[Any] = []
 
 
