@@ -20,16 +20,18 @@ import hashlib
 import time
 
 from splitserve.bench.workloads import AgenticConfig, RandomConfig
-from splitserve.sim.cluster import Cluster
+from splitserve.sim.cluster import Cluster, chain_plan
 from splitserve.sim.deployment import Deployment, SimConfig
-from splitserve.sim.feed import fed_sessions
+from splitserve.sim.feed import FedSessions, fed_sessions
 from splitserve.sim.hardware import get_hardware
 from splitserve.sim.models import get_model
 
 
-def fingerprint(config: SimConfig, deployment: Deployment, sessions, limit: int) -> tuple[str, int]:
+def fingerprint(
+    config: SimConfig, deployment: Deployment, sessions, limit: int, fed: FedSessions | None = None
+) -> tuple[str, int]:
     cluster = Cluster(config, deployment)
-    records = cluster.run(sessions, limit=limit)
+    records = cluster.run(sessions, limit=limit, fed=fed)
     h = hashlib.sha256()
     for r in records:
         timing = (r.start_s, r.ttft_s, r.itl_s, r.e2e_s)
@@ -105,11 +107,14 @@ def main() -> None:
     for name, config, deployment, (workload, rate), limit in cases():
         t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
+            fed = None
             if args.gen_workers:
-                sessions = stack.enter_context(fed_sessions(workload, rate))
+                sessions = fed = stack.enter_context(
+                    fed_sessions(workload, rate, chain_plan(config))
+                )
             else:
                 sessions = workload.sessions(rate)
-            digest, n = fingerprint(config, deployment, sessions, limit)
+            digest, n = fingerprint(config, deployment, sessions, limit, fed)
         print(f"{name:26s} {digest}  ({n} requests, {time.perf_counter() - t0:.1f} s)")
 
 

@@ -57,7 +57,7 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     from splitserve.bench.workloads import AgenticConfig
     from splitserve.sim import cluster as cluster_module
-    from splitserve.sim.cluster import Cluster
+    from splitserve.sim.cluster import Cluster, chain_plan
     from splitserve.sim.deployment import Deployment, SimConfig
     from splitserve.sim.feed import fed_sessions
     from splitserve.sim.hardware import get_hardware
@@ -84,8 +84,9 @@ def run(args: argparse.Namespace) -> None:
     child_cpu = _children_cpu()
     with contextlib.ExitStack() as stack:
         # The child starts while the cluster is built.
+        fed = None
         if args.gen_workers:
-            sessions = stack.enter_context(fed_sessions(workload, rate))
+            sessions = fed = stack.enter_context(fed_sessions(workload, rate, chain_plan(cfg)))
         else:
             sessions = workload.sessions(rate)
         t0 = time.perf_counter()
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> None:
         if prof:
             prof.enable()
         t1, c1 = time.perf_counter(), time.process_time()
-        records = cluster.run(sessions, limit=args.sessions)
+        records = cluster.run(sessions, limit=args.sessions, fed=fed)
         wall, cpu = time.perf_counter() - t1, time.process_time() - c1
     child_cpu = _children_cpu() - child_cpu
     if prof:

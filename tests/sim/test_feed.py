@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 
 from splitserve.bench.workloads import AgenticConfig, MultiRoundQAConfig, RandomConfig
-from splitserve.sim.feed import BATCH, fed_sessions
+from splitserve.common.kv_hash import BlockChain, root_hash
+from splitserve.sim.chat import rendered, synthetic_stream
+from splitserve.sim.cluster import Cluster, chain_plan
+from splitserve.sim.feed import BATCH, ChainPlan, fed_sessions
 from tests.sim.helpers import DISAGG, config, run
 
 CHILD_MARK = "splitserve.sim.feed import child_main"
@@ -69,6 +72,76 @@ def test_a_run_on_fed_sessions_gives_the_same_records():
         fed = run(cfg, DISAGG, _Sessions(sessions), 4.0, 60)[1]
     assert [(r.session_id, r.turn, r.ttft_s, r.e2e_s, r.cached_tokens) for r in fed] == [
         (r.session_id, r.turn, r.ttft_s, r.e2e_s, r.cached_tokens) for r in direct
+    ]
+
+
+@pytest.mark.parametrize("make", [AgenticConfig, MultiRoundQAConfig, RandomConfig])
+@pytest.mark.parametrize("chat", [False, True])
+def test_hashes_made_ahead_are_the_chains_the_run_would_compute(make, chat):
+    plan = ChainPlan(root_hash("m"), 16, chat)
+    n = BATCH + 20  # across a batch boundary
+    with fed_sessions(make(seed=3), 2.0, plan) as fed:
+        specs = list(itertools.islice(fed, n))
+        ahead = [fed.take(s.session_id) for s in specs]
+        assert fed.take(specs[0].session_id) == []  # taken once
+    assert specs == list(itertools.islice(make(seed=3).sessions(2.0), n))
+    for spec, hashes in zip(specs, ahead, strict=True):
+        stream = synthetic_stream(spec, rendered(chat, spec.api))
+        chain = BlockChain(plan.root, 16)
+        chain.extend(stream, len(stream) // 16)  # hashed here, block by block
+        assert hashes == chain.hashes and len(hashes) >= 1
+        assert all(type(h) is bytes and len(h) == 16 for h in hashes)
+
+
+def test_a_chain_takes_the_hashes_made_ahead_in_place_of_its_own():
+    chain = BlockChain(b"r", 2)
+    chain.ahead = [b"a", b"b"]
+    chain.extend([1, 2, 3, 4, 5, 6], 3)
+    assert chain.hashes[:2] == [b"a", b"b"] and chain.tokens == [(1, 2), (3, 4), (5, 6)]
+    plain = BlockChain(b"r", 2)
+    plain.extend([1, 2, 3, 4, 5, 6], 3)
+    assert chain.hashes[2] != plain.hashes[2]  # chained to the parent given
+
+
+@pytest.mark.parametrize(
+    "make, chat, cfg_kw",
+    [
+        (AgenticConfig, False, {}),
+        (AgenticConfig, True, {}),
+        (MultiRoundQAConfig, True, {}),
+        # replies cut at the context limit, and the turns after them refused
+        (MultiRoundQAConfig, False, {"max_model_len": 500}),
+    ],
+)
+def test_a_run_with_hashes_made_ahead_gives_the_same_records(make, chat, cfg_kw):
+    cfg = config(block_size=16, chat_template=chat, **cfg_kw)
+    workload = make(seed=2)
+    cluster, direct = run(cfg, DISAGG, workload, 4.0, 60)
+    with fed_sessions(workload, 4.0, chain_plan(cfg)) as fed:
+        ahead = Cluster(cfg, DISAGG)
+        records = ahead.run(fed, limit=60, fed=fed)
+        assert ahead._fed is fed  # the plan matched: the hashes were used
+    assert _records(records) == _records(direct)
+    for a, b in zip(cluster.workers, ahead.workers, strict=True):
+        bm, bm2 = a.engine.block_manager, b.engine.block_manager
+        assert (bm.prefix_queries, bm.prefix_hits) == (bm2.prefix_queries, bm2.prefix_hits)
+    if cfg_kw:
+        assert any(r.ok and r.output_tokens < workload.answer_tokens for r in direct)
+        assert any(not r.ok for r in direct)
+
+
+def test_hashes_of_another_plan_are_not_used():
+    cfg = config(block_size=16)
+    with fed_sessions(AgenticConfig(seed=2), 4.0, ChainPlan(root_hash("other"), 16, False)) as fed:
+        cluster = Cluster(cfg, DISAGG)
+        cluster.run(fed, limit=5, fed=fed)
+        assert cluster._fed is None
+
+
+def _records(records):
+    return [
+        (r.session_id, r.turn, r.ok, r.ttft_s, r.e2e_s, r.cached_tokens, r.output_tokens)
+        for r in records
     ]
 
 

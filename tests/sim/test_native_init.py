@@ -9,11 +9,13 @@ import inspect
 import pytest
 
 from splitserve.bench.metrics import RequestRecord
+from splitserve.bench.workloads import Segment, SessionSpec, TurnSpec
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.block_manager import PrefixMatch
 from splitserve.engine.plan import ScheduledChunk, StepPlan, StepResult
 from splitserve.engine.scheduler import SequenceUpdate
 from splitserve.engine.sequence import Sequence
+from splitserve.router.policies import RequestInfo
 from splitserve.sim.cost_model import DecodeLine, StepShape
 from splitserve.sim.engine import StepReport, _Run
 from splitserve.sim.state import SimRequest
@@ -31,6 +33,10 @@ HAND_WRITTEN = [
     StepReport,
     _Run,
     SimRequest,
+    Segment,
+    TurnSpec,
+    SessionSpec,
+    RequestInfo,
 ]
 
 
@@ -67,3 +73,27 @@ def test_a_default_list_is_fresh_per_instance() -> None:
     assert a.block_table is not b.block_table and a.block_hashes is not b.block_hashes
     assert a.num_prompt_tokens == 1
     assert RequestRecord("s", 0, 0.0).itl_s is not RequestRecord("s", 0, 0.0).itl_s
+
+
+def _frozen_examples() -> list[tuple[object, str, object]]:
+    """An instance of each frozen class, a field and another value of its type (compiled
+    classes check their fields' types)."""
+    seg = Segment("user", (1, 2))
+    turn = TurnSpec(0.5, (seg,), 2, (3, 4))
+    return [
+        (seg, "token_ids", (5,)),
+        (turn, "output_ids", (5, 6)),
+        (SessionSpec("s", 0.0, 1, (turn,)), "session_id", "t"),
+        (RequestInfo("s", "p", 3), "session_key", "t"),
+    ]
+
+
+@pytest.mark.parametrize("example", _frozen_examples(), ids=lambda e: type(e[0]).__name__)
+def test_frozen_classes_with_a_hand_written_init_stay_frozen_and_hashable(example) -> None:
+    obj, name, other = example
+    twin = dataclasses.replace(obj)
+    assert twin == obj and hash(twin) == hash(obj) and twin is not obj
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(obj, name, other)
+    changed = dataclasses.replace(obj, **{name: other})
+    assert changed != obj and getattr(changed, name) == other

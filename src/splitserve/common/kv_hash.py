@@ -72,15 +72,21 @@ class BlockChain:
     A sequence carries one so that every lookup and cache registration of its blocks reuses
     the same hashes; it grows as the stream does. Sequences whose token lists are all
     prefixes of one stream (the turns of a session) may share one chain.
+
+    ``ahead`` may hold the hashes of the stream's blocks computed elsewhere (the simulator's
+    draws process hashes each session's whole synthetic stream ahead); block ``i`` takes
+    ``ahead[i]`` instead of hashing its tokens. Whoever sets it vouches that the stream this
+    chain covers starts with the one hashed, and must clear it where they part.
     """
 
-    __slots__ = ("root", "block_size", "hashes", "tokens")
+    __slots__ = ("root", "block_size", "hashes", "tokens", "ahead")
 
     def __init__(self, root: BlockHash, block_size: int) -> None:
         self.root = root
         self.block_size = block_size
         self.hashes: list[BlockHash] = []
         self.tokens: list[tuple[int, ...]] = []  # each block's tokens, for collision checks
+        self.ahead: list[BlockHash] = []
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -88,10 +94,10 @@ class BlockChain:
     def extend(self, token_ids: Sequence[int], num_blocks: int) -> None:
         """Cover the first ``num_blocks`` full blocks of ``token_ids``, a continuation of
         the stream hashed so far."""
-        bs, hashes, tokens = self.block_size, self.hashes, self.tokens
+        bs, hashes, tokens, ahead = self.block_size, self.hashes, self.tokens, self.ahead
         parent = hashes[-1] if hashes else self.root
         for i in range(len(hashes), num_blocks):
             block = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = block_hash(parent, block)
+            parent = ahead[i] if i < len(ahead) else block_hash(parent, block)
             hashes.append(parent)
             tokens.append(block)

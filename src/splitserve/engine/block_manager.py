@@ -152,10 +152,13 @@ class BlockManager:
         """The blocks holding the leading cached part of ``chain``'s first ``num_blocks``
         blocks (tokens checked)."""
         cached, stored = self._cached, self._tokens
+        hashes, tokens = chain.hashes, chain.tokens
         block_ids: list[int] = []
-        for h, tokens in zip(chain.hashes[:num_blocks], chain.tokens[:num_blocks], strict=True):
-            block_id = cached.get(h)
-            if block_id is None or not _same(stored[block_id], tokens):
+        # An index loop, not a zip of two slices: compiled (mypyc), it reads the lists in
+        # place; this lookup runs for every prompt on every worker it visits.
+        for i in range(min(num_blocks, len(hashes))):
+            block_id = cached.get(hashes[i])
+            if block_id is None or not _same(stored[block_id], tokens[i]):
                 break
             block_ids.append(block_id)
         return block_ids

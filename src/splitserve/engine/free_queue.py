@@ -9,21 +9,36 @@ Every operation is O(1) and allocates nothing: take any block out, put one back 
 end, pop the head. (An ``OrderedDict`` does the same, but at 10^5 blocks its hash table
 churns as blocks come and go, and building one per worker dominated the start-up of a
 simulated cluster of 10^7 blocks.)
+
+The links are shared int objects (``_ids(n)[i]`` is the one ``i``, for every queue), typed
+``Any`` so that compiled code (mypyc) moves them as they are: typed ``int``, it unboxes each
+link it reads and boxes each it writes, a new int object per write past 256.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
+
+_IDS: list[Any] = []
+
+
+def _ids(n: int) -> list[Any]:
+    """The shared int objects ``0 .. n`` (at least)."""
+    if len(_IDS) <= n:
+        _IDS.extend(range(len(_IDS), n + 1))
+    return _IDS
 
 
 class FreeQueue:
     """Initially holds ``0 .. n-1`` in order."""
 
     def __init__(self, n: int) -> None:
-        self._next = list(range(1, n + 1))
-        self._next.append(0)
-        self._prev = [n]
-        self._prev.extend(range(n))
+        self._ids = ids = _ids(n)
+        self._next: list[Any] = ids[1 : n + 1]
+        self._next.append(ids[0])
+        self._prev: list[Any] = [ids[n]]
+        self._prev.extend(ids[:n])
         self._queued = bytearray(b"\x01") * n
         self._len = n
         self._end = n  # the sentinel
@@ -54,7 +69,8 @@ class FreeQueue:
 
     def remove(self, block_id: int) -> None:
         nxt, prev = self._next, self._prev
-        before, after = prev[block_id], nxt[block_id]
+        before: Any = prev[block_id]
+        after: Any = nxt[block_id]
         nxt[before] = after
         prev[after] = before
         self._queued[block_id] = 0
@@ -73,11 +89,12 @@ class FreeQueue:
         self.appendleft(block_id)
 
     def _insert_after(self, before: int, block_id: int) -> None:
-        nxt, prev = self._next, self._prev
-        after = nxt[before]
-        nxt[before] = block_id
-        prev[block_id] = before
+        nxt, prev, ids = self._next, self._prev, self._ids
+        block: Any = ids[block_id]
+        after: Any = nxt[before]
+        nxt[before] = block
+        prev[block_id] = ids[before]
         nxt[block_id] = after
-        prev[after] = block_id
+        prev[after] = block
         self._queued[block_id] = 1
         self._len += 1

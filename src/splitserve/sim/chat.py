@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from splitserve.bench.workloads import Segment
+from splitserve.bench.workloads import API_CHAT, Segment, SessionSpec
 
 IM_START, IM_END, NEWLINE = 1, 2, 198
 ROLES = {"system": 9690, "user": 4093, "assistant": 520, "tool": 11696}
@@ -48,3 +48,18 @@ def append_reply(context: list[int], output: Iterable[int], chat: bool) -> None:
     context.extend(output)
     if chat:
         context.extend(MESSAGE_CLOSE)
+
+
+def rendered(chat_template: bool, api: str) -> bool:
+    """Whether a session's prompts carry the template's tokens: chat sessions, if on."""
+    return chat_template and api == API_CHAT
+
+
+def synthetic_stream(spec: SessionSpec, chat: bool) -> list[int]:
+    """The session's whole token stream when every reply is its synthetic one: each turn's
+    prompt is a prefix of it, and so is each of its sequences' tokens."""
+    stream: list[int] = []
+    for turn in spec.turns:
+        append_prompt(stream, turn.segments, chat)
+        append_reply(stream, turn.output_ids, chat)
+    return stream

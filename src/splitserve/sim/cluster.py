@@ -24,17 +24,18 @@ import gc
 from collections.abc import Callable, Iterator
 
 from splitserve.bench.metrics import RequestRecord
-from splitserve.bench.workloads import API_CHAT, SessionSpec
+from splitserve.bench.workloads import SessionSpec
 from splitserve.common.kv_hash import BlockChain, root_hash
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerConfig
 from splitserve.engine.sequence import Sequence
 from splitserve.router.policies import RequestInfo
 from splitserve.router.worker import Worker
-from splitserve.sim.chat import append_message, append_prompt, append_reply
+from splitserve.sim.chat import append_message, append_prompt, append_reply, rendered
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.engine import SimEngine, StepReport
 from splitserve.sim.events import EventQueue
+from splitserve.sim.feed import ChainPlan, FedSessions
 from splitserve.sim.kv_moves import PREFILL_SUFFIX, KVMoves
 from splitserve.sim.shared_cores import SharedCores
 from splitserve.sim.state import SimRequest, SimStats, SimWorker
@@ -67,6 +68,11 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+def chain_plan(config: SimConfig) -> ChainPlan:
+    """How a cluster of ``config`` hashes a session's blocks."""
+    return ChainPlan(root_hash(config.model.name), config.block_size, config.chat_template)
+
+
 class Cluster:
     def __init__(self, config: SimConfig, deployment: Deployment) -> None:
         self.config = config
@@ -96,8 +102,10 @@ class Cluster:
         self.decode_policy = config.routing_policy(config.policy)
         self.prefill_policy = config.routing_policy(config.prefill_policy)
         self._sessions: Iterator[SessionSpec] = iter(())
+        self._fed: FedSessions | None = None
         self._contexts: dict[str, list[int]] = {}
         self._chains: dict[str, BlockChain] = {}
+        self._prefix_keys: dict[str, str] = {}  # a session's prefill placement key
         self._openings: dict[tuple[str, bool, tuple[int, ...]], BlockChain] = {}
         self.moves = KVMoves(self)
         self.cores: SharedCores | None = None
@@ -136,10 +144,22 @@ class Cluster:
 
     # ---- the run -------------------------------------------------------------------------
 
-    def run(self, sessions: Iterator[SessionSpec], limit: int | None = None) -> list[RequestRecord]:
+    @property
+    def chain_plan(self) -> ChainPlan:
+        """How this cluster hashes a session's blocks (for ``fed_sessions``)."""
+        return chain_plan(self.config)
+
+    def run(
+        self,
+        sessions: Iterator[SessionSpec],
+        limit: int | None = None,
+        fed: FedSessions | None = None,
+    ) -> list[RequestRecord]:
         """Play ``sessions`` (at most ``limit`` of them) to the end; one record per request
-        sent, in completion order."""
+        sent, in completion order. ``fed``: where ``sessions`` come from (or draw on), if
+        ``fed_sessions``; its block hashes are used when its plan is this cluster's."""
         self._sessions = iter(sessions)
+        self._fed = fed if fed is not None and fed.plan == self.chain_plan else None
         self._remaining = limit
         self._next_session()
         with _collector_paused():
@@ -167,7 +187,12 @@ class Cluster:
         if opening is not None:
             chain.hashes.extend(opening.hashes)
             chain.tokens.extend(opening.tokens)
+        if self._fed is not None:
+            chain.ahead = self._fed.take(spec.session_id)
         self._chains[spec.session_id] = chain
+        # The first message's first 128 tokens, hashed once per session (not per turn).
+        shared = spec.turns[0].segments[0].token_ids[:128]
+        self._prefix_keys[spec.session_id] = f"shared:{hash(shared)}"
         self._send(spec, 0)
 
     def _opening(self, spec: SessionSpec) -> BlockChain | None:
@@ -199,8 +224,7 @@ class Cluster:
         rid = f"{spec.session_id}#{k}"
         self.outputs[rid] = turn.output_ids
         key = spec.session_id if spec.sticky else f"prefix:{hash(tuple(context[:128]))}"
-        shared = spec.turns[0].segments[0].token_ids[:128]
-        info = RequestInfo(key, f"shared:{hash(shared)}", len(context))
+        info = RequestInfo(key, self._prefix_keys[spec.session_id], len(context))
         record = RequestRecord(spec.session_id, k, self.now, prompt_tokens=len(context))
         chain = self._chains[spec.session_id]
         req = SimRequest(rid, spec, k, context, record, info, chain)
@@ -405,13 +429,16 @@ class Cluster:
         if output is None or k + 1 >= len(spec.turns):
             del self._contexts[spec.session_id]
             del self._chains[spec.session_id]
+            del self._prefix_keys[spec.session_id]
             return
+        if len(output) != len(spec.turns[k].output_ids):  # cut short: the stream leaves the
+            self._chains[spec.session_id].ahead = []  # synthetic one hashed ahead
         append_reply(self._contexts[spec.session_id], output, self._chat(spec))
         self.events.at(self.now + spec.turns[k + 1].pause_s, self._next_turn, (spec, k + 1))
 
     def _chat(self, spec: SessionSpec) -> bool:
         """Whether ``spec``'s prompts carry the chat template's tokens."""
-        return self.config.chat_template and spec.api == API_CHAT
+        return rendered(self.config.chat_template, spec.api)
 
     def _next_turn(self, arg: tuple[SessionSpec, int]) -> None:
         self._send(*arg)

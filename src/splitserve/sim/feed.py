@@ -11,6 +11,12 @@ the run still builds the sessions (tuples of the shared token-id objects) itself
                                                                   ▼ 3 arrays, one pickle
     run:    replay the draws in order ─▶ the same session code ─▶ SessionSpec
 
+With a ``ChainPlan`` (the run's hash root, block size and chat template) the child also
+hashes each session's whole synthetic token stream into its block chain: the run's session
+chains take those hashes instead of hashing their blocks (16 bytes a block cross the pipe;
+the block tuples are still made in the run, of the shared ids). They hold while the
+session's replies are its synthetic ones; the run drops them where a reply differs.
+
 A full pipe stops the child: it runs at most a batch or two ahead. The child ends when the
 ``fed_sessions`` block ends, however it ends, and by itself when the run's end of the pipe
 closes (the run killed).
@@ -26,7 +32,6 @@ import os
 import pickle
 import subprocess
 import sys
-from collections import deque
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
@@ -41,10 +46,29 @@ from splitserve.bench.workloads import (
     Workload,
     session_rng,
 )
+from splitserve.common.kv_hash import BlockHash, hash_blocks
+from splitserve.sim.chat import rendered, synthetic_stream
 
 # The workloads whose sessions take their draws from ``sessions(rate, rngs)``.
 FED_WORKLOADS = (AgenticConfig, MultiRoundQAConfig, RandomConfig)
 BATCH = 256  # sessions per message (~2 MB of agentic draws)
+HASH_BYTES = 16  # a block hash (xxh3-128)
+
+
+class ChainPlan(NamedTuple):
+    """How the run hashes a session's blocks: its root hash, block size and whether chat
+    sessions carry the chat template's tokens (``SimConfig.chat_template``)."""
+
+    root: BlockHash
+    block_size: int
+    chat_template: bool
+
+
+def session_hashes(spec: SessionSpec, plan: ChainPlan) -> list[BlockHash]:
+    """The hashes of every full block of ``spec``'s synthetic stream, as the run's session
+    chain would compute them."""
+    stream = synthetic_stream(spec, rendered(plan.chat_template, spec.api))
+    return hash_blocks(stream, plan.root, plan.block_size)
 
 
 class DrawRecorder:
@@ -108,10 +132,51 @@ class DrawReplay:
         return self._normals[self._n - 1]
 
 
+class FedSessions:
+    """The sessions, in order; with a plan, each one's block hashes (``take``) from the
+    time it is given out until the run takes them."""
+
+    def __init__(self, plan: ChainPlan | None) -> None:
+        self.plan = plan
+        self.specs: Iterator[SessionSpec] = iter(())
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._blob = b""
+        self._counts: list[int] = []
+        self._next = 0  # the next session's index in the batch, and its first byte
+        self._offset = 0
+
+    def __iter__(self) -> FedSessions:
+        return self
+
+    def __next__(self) -> SessionSpec:
+        spec = next(self.specs)  # loads the session's batch first
+        if self.plan is not None:
+            start = self._offset
+            self._offset = end = start + self._counts[self._next] * HASH_BYTES
+            self._next += 1
+            blob = self._blob
+            self._hashes[spec.session_id] = [
+                blob[i : i + HASH_BYTES] for i in range(start, end, HASH_BYTES)
+            ]
+        return spec
+
+    def load(self, hashes: tuple[list[int], bytes] | None) -> None:
+        """A batch's block hashes: per session a count, then all of them, concatenated."""
+        if hashes is not None:
+            self._counts, self._blob = hashes
+            self._next = self._offset = 0
+
+    def take(self, session_id: str) -> list[BlockHash]:
+        """The hashes of a session given out (empty without a plan, or taken already)."""
+        return self._hashes.pop(session_id, [])
+
+
 @contextlib.contextmanager
-def fed_sessions(workload: Workload, rate: float | None) -> Iterator[Iterator[SessionSpec]]:
+def fed_sessions(
+    workload: Workload, rate: float | None, plan: ChainPlan | None = None
+) -> Iterator[FedSessions]:
     """``workload.sessions(rate)``, the same sessions, with their draws made ahead in a child
-    process; it is stopped when the block ends."""
+    process (and, with ``plan``, their block hashes); it is stopped when the block ends."""
     if not isinstance(workload, FED_WORKLOADS):
         raise ValueError(f"sessions drawn ahead need a seeded workload, not {workload.name}")
     # A fresh interpreter on the same modules (``sys.path``: a compiled build too), rather
@@ -125,10 +190,12 @@ def fed_sessions(workload: Workload, rate: float | None) -> Iterator[Iterator[Se
     try:
         assert child.stdin is not None and child.stdout is not None
         with child.stdin:
-            pickle.dump(_fields(workload), child.stdin)
+            pickle.dump((_fields(workload), None if plan is None else tuple(plan)), child.stdin)
         recv = Connection(os.dup(child.stdout.fileno()))
         child.stdout.close()
-        yield workload.sessions(rate, _replays(recv, child))
+        fed = FedSessions(plan)
+        fed.specs = workload.sessions(rate, _replays(recv, child, fed))
+        yield fed
     finally:
         if recv is not None:
             recv.close()
@@ -158,30 +225,38 @@ class _Config(NamedTuple):
     kwargs: dict[str, object]
 
 
-def _replays(recv: Connection, child: subprocess.Popen) -> Iterator[DrawReplay]:
+def _replays(recv: Connection, child: subprocess.Popen, fed: FedSessions) -> Iterator[DrawReplay]:
     replay = DrawReplay()
     while True:
         try:
-            count, batch = recv.recv()
+            count, batch, hashes = recv.recv()
         except EOFError:
             code = child.wait()
             raise RuntimeError(f"the session-draws process ended (exit {code})") from None
         replay.load(batch)
+        fed.load(hashes)
         for _ in range(count):
             yield replay
 
 
 def child_main() -> None:
-    """The child: the workload from stdin; its sessions' draws to stdout, batch by batch."""
-    workload = _build(pickle.load(sys.stdin.buffer))
+    """The child: the workload (and chain plan) from stdin; its sessions' draws (and block
+    hashes) to stdout, batch by batch."""
+    fields, plan_fields = pickle.load(sys.stdin.buffer)
+    workload = _build(fields)
     assert isinstance(workload, FED_WORKLOADS)
+    plan = ChainPlan(*plan_fields) if plan_fields is not None else None
     send = Connection(os.dup(1))
     os.dup2(2, 1)  # anything printed goes to stderr, not into the pipe
     recorder = DrawRecorder(workload.seed)
     sessions = workload.sessions(None, recorder.streams())
     try:
         while True:
-            deque(itertools.islice(sessions, BATCH), maxlen=0)
-            send.send((BATCH, recorder.take()))
+            batch = list(itertools.islice(sessions, BATCH))
+            hashes = None
+            if plan is not None:
+                chains = [session_hashes(spec, plan) for spec in batch]
+                hashes = ([len(c) for c in chains], b"".join(h for c in chains for h in c))
+            send.send((BATCH, recorder.take(), hashes))
     except (BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         pass  # the run ended or was interrupted: nothing to say

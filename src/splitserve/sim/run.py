@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from splitserve.bench.load import RunResult
 from splitserve.bench.metrics import SLO, summarize
 from splitserve.bench.workloads import Workload, within
-from splitserve.sim.cluster import Cluster
+from splitserve.sim.cluster import Cluster, chain_plan
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.feed import fed_sessions
 
@@ -45,12 +45,13 @@ def simulate(
     if gen_workers not in (0, 1):
         raise ValueError(f"gen_workers must be 0 or 1, got {gen_workers}")
     with contextlib.ExitStack() as stack:
+        fed = None
         if gen_workers:
-            sessions = stack.enter_context(fed_sessions(workload, rate))
+            sessions = fed = stack.enter_context(fed_sessions(workload, rate, chain_plan(config)))
         else:
             sessions = workload.sessions(rate)
         cluster = Cluster(config, deployment)  # built while the child starts
-        records = cluster.run(within(sessions, duration_s))
+        records = cluster.run(within(sessions, duration_s), fed=fed)
     duration = max((r.end_s for r in records), default=0.0)  # from the first arrival at 0
     info = {
         "workload": workload.describe(),

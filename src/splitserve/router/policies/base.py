@@ -28,6 +28,18 @@ class RequestInfo:
     prefix_key: str | None = None
     prompt_tokens: int = 0  # an estimate: the router does not tokenize
 
+    # One per request: compiled (mypyc), a hand-written ``__init__`` is ~15x faster than
+    # ``@dataclass``'s; a frozen class sets its fields through ``object.__setattr__``.
+    def __init__(
+        self,
+        session_key: str | None = None,
+        prefix_key: str | None = None,
+        prompt_tokens: int = 0,
+    ) -> None:
+        object.__setattr__(self, "session_key", session_key)
+        object.__setattr__(self, "prefix_key", prefix_key)
+        object.__setattr__(self, "prompt_tokens", prompt_tokens)
+
 
 class RoutingPolicy(ABC):
     """Chooses a worker; told when requests finish and when loads are refreshed.
