@@ -53,7 +53,7 @@ def test_logits_match_the_torch_path_over_decode_steps(runners):
     for runner in (plain, fused):
         runner.execute(prefill)
     for step in range(10):  # contexts of 7..23 tokens: several block boundaries
-        for rid, tokens in seqs.items():
+        for tokens in seqs.values():
             tokens.append((tokens[-1] * 31 + step) % 256)
         plan = StepPlan(
             [chunk(r, t[-1:], len(t) - 1, tables[r], step + 1) for r, t in seqs.items()]
@@ -101,22 +101,20 @@ def test_greedy_tokens_are_the_same_with_the_path_on_and_off(runners):
 
 def test_larger_or_mixed_steps_keep_the_torch_path(runners):
     _, fused, _ = runners
-    many = [chunk(str(i), [1], 3, [i]) for i in range(model_runner_module.FUSED_DECODE_MAX_SEQS + 1)]
+    many = [
+        chunk(str(i), [1], 3, [i]) for i in range(model_runner_module.FUSED_DECODE_MAX_SEQS + 1)
+    ]
     assert not fused._fused_applies(StepPlan(many))
     mixed = [chunk("a", [1], 3, [0]), chunk("b", [1, 2], 0, [1])]
     assert not fused._fused_applies(StepPlan(mixed))
     assert fused._fused_applies(StepPlan(many[:1]))
 
 
-def test_falls_back_to_torch_with_a_log_line_when_unavailable(
-    runners, monkeypatch, caplog
-) -> None:
+def test_falls_back_to_torch_with_a_log_line_when_unavailable(runners, monkeypatch, caplog) -> None:
     plain, _, loaded = runners
     monkeypatch.setattr(fused_decode, "_IMPORT_ERROR", "numba is not importable (test)")
     with caplog.at_level(logging.WARNING, logger=model_runner_module.__name__):
-        runner = ModelRunner(
-            loaded, block_size=BLOCK, kv_cache_bytes=2**20, fused_decode=True
-        )
+        runner = ModelRunner(loaded, block_size=BLOCK, kv_cache_bytes=2**20, fused_decode=True)
     assert runner.fused is None
     assert "fused decode is off" in caplog.text and "numba is not importable" in caplog.text
     plan = StepPlan([chunk("a", [1, 2, 3], 0, [0])])

@@ -3,15 +3,17 @@ model and samples. It makes no policy decisions; the scheduler made them all."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
-import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from splitserve.engine.core_share import CoreShare
 from splitserve.engine.plan import ScheduledChunk, StepPlan, StepResult
 from splitserve.engine.sampler import sample
 from splitserve.models.attention import (
@@ -20,10 +22,12 @@ from splitserve.models.attention import (
     PrefillSpan,
     offset_causal_mask,
 )
-from splitserve.models import fused_decode
 from splitserve.models.llama import SplitGemv
 from splitserve.models.loader import LoadedModel
 from splitserve.transfer.shm_cache import SharedKVCache
+
+if TYPE_CHECKING:
+    from splitserve.models.fused_decode import FusedDecoder
 
 # Steps of fewer tokens than this run on one intra-op thread (their weight products excepted
 # when ``split_gemv`` splits them across the runner's threads, see ``SplitGemv``). MKL runs
@@ -115,9 +119,22 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.model.bind_kv_cache(self.kv_cache)
-        self.fused = self._make_fused() if fused_decode else None
+        self.fused: FusedDecoder | None = None
+        self.core_share = CoreShare()  # the fused path's threads: those others leave free
+        self.use_fused_decode(fused_decode)
 
-    def _make_fused(self) -> fused_decode.FusedDecoder | None:
+    def use_fused_decode(self, on: bool) -> bool:
+        """Turn the fused decode path on or off; returns whether it is on (it stays off, with
+        a warning, where numba or the model does not allow it)."""
+        if not on:
+            self.fused = None
+        elif self.fused is None:
+            self.fused = self._make_fused()
+        return self.fused is not None
+
+    def _make_fused(self) -> FusedDecoder | None:
+        from splitserve.models import fused_decode  # imports numba: only when asked for
+
         reason = fused_decode.unavailable_reason(self.model, self.device)
         if reason is not None:
             logger.warning("fused decode is off, the torch path runs every step: %s", reason)
@@ -200,8 +217,9 @@ class ModelRunner:
         slots = np.array([self._slot(c.block_table, c.start_pos) for c in decodes])
         input_ids = torch.tensor([c.token_ids[0] for c in decodes], dtype=torch.long)
         with torch.inference_mode(), self._threads_for(1):
+            threads = self.core_share.threads(self.threads)
             return self.fused.forward(
-                input_ids, torch.from_numpy(lens - 1), slots, tables, lens, self.threads
+                input_ids, torch.from_numpy(lens - 1), slots, tables, lens, threads
             )
 
     @contextmanager

@@ -31,6 +31,7 @@ import torch
 
 try:
     import numba
+    import numba.typed
     from numba import njit, prange
 except ImportError as exc:  # the torch path covers everything; numba is an accelerator
     numba = None
@@ -66,6 +67,13 @@ def unavailable_reason(model: torch.nn.Module, device: torch.device) -> str | No
     return None
 
 
+def _typed_list(arrays: list[np.ndarray]) -> Any:
+    out = numba.typed.List()
+    for array in arrays:
+        out.append(array)
+    return out
+
+
 def _np(t: torch.Tensor) -> np.ndarray:
     """A zero-copy numpy view of a contiguous CPU tensor."""
     if not t.is_contiguous():
@@ -95,15 +103,20 @@ class FusedDecoder:
         attn = [layer.self_attn for layer in layers]
         mlp = [layer.mlp for layer in layers]
         empty = np.zeros(0, dtype=np.float32)
-        self.weights: tuple[Any, ...] = (
-            tuple(_np(layer.input_layernorm.weight) for layer in layers),
-            tuple(_np(a.qkv_proj.weight.t()) for a in attn),
-            tuple(empty if a.qkv_proj.bias is None else _np(a.qkv_proj.bias) for a in attn),
-            tuple(_np(a.o_proj.weight.t()) for a in attn),
-            tuple(empty if a.o_proj.bias is None else _np(a.o_proj.bias) for a in attn),
-            tuple(_np(layer.post_attention_layernorm.weight) for layer in layers),
-            tuple(_np(m.gate_up_proj.weight.t()) for m in mlp),
-            tuple(_np(m.down_proj.weight.t()) for m in mlp),
+        # Typed lists (views, no copies), not tuples: a tuple's type holds its length, and every
+        # model depth would compile the kernel again.
+        self.weights: tuple[Any, ...] = tuple(
+            _typed_list(arrays)
+            for arrays in (
+                [_np(layer.input_layernorm.weight) for layer in layers],
+                [_np(a.qkv_proj.weight.t()) for a in attn],
+                [empty if a.qkv_proj.bias is None else _np(a.qkv_proj.bias) for a in attn],
+                [_np(a.o_proj.weight.t()) for a in attn],
+                [empty if a.o_proj.bias is None else _np(a.o_proj.bias) for a in attn],
+                [_np(layer.post_attention_layernorm.weight) for layer in layers],
+                [_np(m.gate_up_proj.weight.t()) for m in mlp],
+                [_np(m.down_proj.weight.t()) for m in mlp],
+            )
         )
         self.final_norm = _np(model.norm.weight)
         self.lm_head = _np(model.lm_head_t)
