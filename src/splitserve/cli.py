@@ -61,8 +61,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fused-decode",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="run small decode-only steps (<= 4 sequences) through one compiled kernel per step",
+        default=True,
+        help="run small decode-only steps (<= 4 sequences) through one compiled kernel per step "
+        "(default on; --no-fused-decode keeps the torch ops)",
     )
 
 

@@ -70,7 +70,7 @@ class EngineConfig:
     # Run decode-only steps of up to 4 sequences through the fused numba kernel
     # (models/fused_decode.py) instead of the torch ops; falls back (with a log line) where numba
     # or the model does not allow it.
-    fused_decode: bool = False
+    fused_decode: bool = True
     seed: int = 0
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
 
