@@ -4,6 +4,7 @@ model and samples. It makes no policy decisions; the scheduler made them all."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -218,9 +219,12 @@ class ModelRunner:
         input_ids = torch.tensor([c.token_ids[0] for c in decodes], dtype=torch.long)
         with torch.inference_mode(), self._threads_for(1):
             threads = self.core_share.threads(self.threads)
-            return self.fused.forward(
+            start = time.perf_counter()
+            logits = self.fused.forward(
                 input_ids, torch.from_numpy(lens - 1), slots, tables, lens, threads
             )
+            self.core_share.record(threads, self.threads, time.perf_counter() - start)
+            return logits
 
     @contextmanager
     def _threads_for(self, num_tokens: int) -> Iterator[None]:
