@@ -58,6 +58,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="split decode steps' weight products across --threads (faster on idle cores, "
         "much slower when other processes hold them)",
     )
+    p.add_argument(
+        "--fused-decode",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run small decode-only steps (<= 4 sequences) through one compiled kernel per step "
+        "(default on; --no-fused-decode keeps the torch ops)",
+    )
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -67,6 +74,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         kv_cache_gb=args.kv_cache_gb,
         max_model_len=args.max_model_len,
         split_gemv=args.split_gemv,
+        fused_decode=args.fused_decode,
         scheduling_policy=args.scheduling_policy,
         **{
             name: getattr(args, name)

@@ -67,6 +67,10 @@ class EngineConfig:
     # ~10% faster at batch 1 on idle cores, far slower when other processes share them, so
     # off by default (benchmarks/engine_throughput.py, docs/benchmarks.md).
     split_gemv: bool = False
+    # Run decode-only steps of up to 4 sequences through the fused numba kernel
+    # (models/fused_decode.py) instead of the torch ops; falls back (with a log line) where numba
+    # or the model does not allow it.
+    fused_decode: bool = True
     seed: int = 0
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
 

@@ -56,6 +56,7 @@ class LLMEngine:
             threads=config.threads,
             shared_kv=config.kv_cache_shm,
             split_gemv=config.split_gemv,
+            fused_decode=config.fused_decode,
         )
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.max_model_len = self._max_model_len()

@@ -3,14 +3,18 @@ model and samples. It makes no policy decisions; the scheduler made them all."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from splitserve.engine.core_share import CoreShare
 from splitserve.engine.plan import ScheduledChunk, StepPlan, StepResult
 from splitserve.engine.sampler import sample
 from splitserve.models.attention import (
@@ -22,6 +26,9 @@ from splitserve.models.attention import (
 from splitserve.models.llama import SplitGemv
 from splitserve.models.loader import LoadedModel
 from splitserve.transfer.shm_cache import SharedKVCache
+
+if TYPE_CHECKING:
+    from splitserve.models.fused_decode import FusedDecoder
 
 # Steps of fewer tokens than this run on one intra-op thread (their weight products excepted
 # when ``split_gemv`` splits them across the runner's threads, see ``SplitGemv``). MKL runs
@@ -41,6 +48,12 @@ SPLIT_GEMV_MAX_TOKENS = 32
 # memory and back, and each group is padded only to its own longest context. Measured at
 # batch 32: 2.4x less time in decode attention than one group.
 DECODE_GROUP_SIZE = 4
+# Decode-only steps of at most this many sequences run on the fused path when it is on
+# (models/fused_decode.py): it reads each weight once for all rows, but computes with plain
+# vector loops, where MKL's GEMM wins once a step has enough rows to be compute-bound.
+FUSED_DECODE_MAX_SEQS = 4
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -74,6 +87,7 @@ class ModelRunner:
         threads: int | None = None,
         shared_kv: bool = False,
         split_gemv: bool = False,
+        fused_decode: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -106,6 +120,27 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.model.bind_kv_cache(self.kv_cache)
+        self.fused: FusedDecoder | None = None
+        self.core_share = CoreShare()  # the fused path's threads: those others leave free
+        self.use_fused_decode(fused_decode)
+
+    def use_fused_decode(self, on: bool) -> bool:
+        """Turn the fused decode path on or off; returns whether it is on (it stays off, with
+        a warning, where numba or the model does not allow it)."""
+        if not on:
+            self.fused = None
+        elif self.fused is None:
+            self.fused = self._make_fused()
+        return self.fused is not None
+
+    def _make_fused(self) -> FusedDecoder | None:
+        from splitserve.models import fused_decode  # imports numba: only when asked for
+
+        reason = fused_decode.unavailable_reason(self.model, self.device)
+        if reason is not None:
+            logger.warning("fused decode is off, the torch path runs every step: %s", reason)
+            return None
+        return fused_decode.FusedDecoder(self.model, parts=self.threads)
 
     def close(self) -> None:
         """Unlink the shared cache's name, if any (the cache itself stays usable)."""
@@ -124,6 +159,8 @@ class ModelRunner:
         if not plan:
             return StepResult()
         self._bind()
+        if self._fused_applies(plan):
+            return self._execute_fused(plan)
         batch = self._prepare(plan)
         with torch.inference_mode(), self._threads_for(plan.num_tokens):
             hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
@@ -143,11 +180,51 @@ class ModelRunner:
         """Run one step like ``execute`` but return, per chunk, the float32 logits of its last
         token instead of sampling (tests, scoring tools)."""
         self._bind()
+        if self._fused_applies(plan):
+            logits = self._fused_logits(plan)
+            return dict(zip((c.request_id for c in plan.chunks), logits, strict=True))
         batch = self._prepare(plan, sample_all=True)
         with torch.inference_mode():
             hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
             logits = self.model.compute_logits(hidden[batch.sample_rows])
         return {c.request_id: row for c, row in zip(batch.sample_chunks, logits, strict=True)}
+
+    def _fused_applies(self, plan: StepPlan) -> bool:
+        chunks = plan.chunks
+        return (
+            self.fused is not None
+            and len(chunks) <= FUSED_DECODE_MAX_SEQS
+            and all(c.num_tokens == 1 for c in chunks)
+        )
+
+    def _execute_fused(self, plan: StepPlan) -> StepResult:
+        logits = self._fused_logits(plan)
+        rows = [i for i, c in enumerate(plan.chunks) if c.sample]
+        if not rows:
+            return StepResult()
+        chunks = [plan.chunks[i] for i in rows]
+        with torch.inference_mode(), self._threads_for(1):
+            tokens = sample(
+                logits[rows], [c.params for c in chunks], [c.num_output_tokens for c in chunks]
+            )
+        return StepResult({c.request_id: t for c, t in zip(chunks, tokens, strict=True)})
+
+    def _fused_logits(self, plan: StepPlan) -> torch.Tensor:
+        """Logits of a decode-only step (one row per chunk, in plan order) on the fused path."""
+        decodes = plan.chunks
+        for c in decodes:
+            self._check_chunk(c)
+        tables, lens = self._decode_tables(decodes)
+        slots = np.array([self._slot(c.block_table, c.start_pos) for c in decodes])
+        input_ids = torch.tensor([c.token_ids[0] for c in decodes], dtype=torch.long)
+        with torch.inference_mode(), self._threads_for(1):
+            threads = self.core_share.threads(self.threads)
+            start = time.perf_counter()
+            logits = self.fused.forward(
+                input_ids, torch.from_numpy(lens - 1), slots, tables, lens, threads
+            )
+            self.core_share.record(threads, self.threads, time.perf_counter() - start)
+            return logits
 
     @contextmanager
     def _threads_for(self, num_tokens: int) -> Iterator[None]:
