@@ -47,3 +47,11 @@ def test_threads_stay_within_one_and_the_maximum() -> None:
         assert share.threads(1) == 1
     with pytest.raises(ValueError, match="interval_s"):
         CoreShare(interval_s=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"interval_s": 0}, {"probe_s": 0}, {"probe_s": 4.0, "max_probe_s": 2.0}]
+)
+def test_bad_intervals_are_refused(kwargs) -> None:
+    with pytest.raises(ValueError, match="need interval_s > 0"):
+        CoreShare(**kwargs)

@@ -32,7 +32,7 @@ class CoreShare:
     def __init__(
         self, interval_s: float = 0.25, probe_s: float = 1.0, max_probe_s: float = 32.0
     ) -> None:
-        if not 0 < interval_s and 0 < probe_s <= max_probe_s:
+        if not (0 < interval_s and 0 < probe_s <= max_probe_s):
             raise ValueError(
                 f"need interval_s > 0 and 0 < probe_s <= max_probe_s, got {interval_s}, "
                 f"{probe_s}, {max_probe_s}"
