@@ -104,12 +104,14 @@ def _load_gguf(
     reader = gguf_loader.open_gguf(path)
     config = gguf_loader.read_config(reader, model_id)
     weights = gguf_loader.gguf_weights(reader, config)
-    if entry is not None:
-        weights = dict(weights).items()  # kept for the cache entry
-    model = _build(config, weights, dtype, device)
+    if entry is None:
+        model = _build(config, weights, dtype, device)
+    else:
+        kept = dict(weights)  # for the cache entry, written once the tokenizer is made
+        model = _build(config, kept.items(), dtype, device)
     tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids) if load_tokenizer else None
     if entry is not None:
-        entry.write(config, dict(weights), tokenizer)
+        entry.write(config, kept, tokenizer)
     return _loaded(model, config, tokenizer)
 
 
