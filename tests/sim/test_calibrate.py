@@ -8,6 +8,7 @@ import multiprocessing
 import pytest
 
 from splitserve.cli import main
+from splitserve.engine.model_runner import FUSED_DECODE_MAX_SEQS
 from splitserve.sim.calibrate import (
     cost_model_of,
     fit,
@@ -22,6 +23,7 @@ from splitserve.sim.step_timing import (
     build_engine,
     busy_neighbour,
     co_run_slowdown,
+    fused_decode_max_seqs,
     measure,
     measure_co_run,
     measure_host_load,
@@ -63,7 +65,20 @@ def assert_recovered(got: dict[str, float], truth: dict[str, float]) -> None:
 @pytest.mark.parametrize("multi_row", [0.03, 0.0])
 def test_fit_recovers_the_factors_that_made_the_times(multi_row):
     truth = {**TRUTH, "multi_row_overhead_s": multi_row}
-    assert_recovered(fit(synthetic(truth), peak_cost_model()), truth)
+    assert_recovered(fit(synthetic(truth), peak_cost_model(0)), truth)
+
+
+def test_fit_recovers_the_factors_with_the_fused_decode_path():
+    # Decode steps of 1 and 4 sequences on the fused path (no multi-row overhead), 8 and 16
+    # on the torch path: the fit must know which is which to recover the overhead.
+    truth = {**TRUTH, "fused_decode_max_seqs": 4}
+    right = fit(synthetic(truth), peak_cost_model(4))
+    assert_recovered(right, truth)
+    assert right["fused_decode_max_seqs"] == 4  # stored with the fit
+    assert peak_cost_model().hw.fused_decode_max_seqs == 4  # cpu-local's engine default
+    # Fitted as if every multi-row step paid it, the same times are fitted worse.
+    wrong = fit(synthetic(truth), peak_cost_model(0))
+    assert wrong["rms_rel_error"] > 3 * right["rms_rel_error"] + 0.003
 
 
 def test_refit_cli_recovers_the_factors_from_a_stored_file(tmp_path, capsys):
@@ -88,6 +103,7 @@ def test_refit_cli_recovers_the_factors_from_a_stored_file(tmp_path, capsys):
     ] == grid
     assert stored["fit"]["max_rel_error"] < 0.01
     assert stored["fit"]["host_bw"] == 1.3e9  # measured, not fitted: carried over
+    assert stored["fit"]["fused_decode_max_seqs"] == 0  # an older file timed the torch path
     hw = load_calibration(get_hardware("cpu-local"), str(new))
     assert hw.multi_row_overhead_s == stored["fit"]["multi_row_overhead_s"]
     # The new file refits to the same fit; a file with no samples is a clear error.
@@ -108,6 +124,13 @@ def test_a_calibration_file_sets_the_profile(tmp_path):
     assert hw.host_bw == get_hardware("cpu-local").host_bw  # a file without it: the profile's
     # Fitted before these terms existed: without them.
     assert hw.multi_row_overhead_s == 0.0 and hw.attention_eff is None
+    assert hw.fused_decode_max_seqs == 0
+    path.write_text(json.dumps({"fit": {**fitted, "fused_decode_max_seqs": 4}}))
+    assert load_calibration(get_hardware("cpu-local"), str(path)).fused_decode_max_seqs == 4
+    for bad in (-1, 2.5, "4"):
+        path.write_text(json.dumps({"fit": {**fitted, "fused_decode_max_seqs": bad}}))
+        with pytest.raises(ValueError, match="fused_decode_max_seqs"):
+            load_calibration(get_hardware("cpu-local"), str(path))
     path.write_text(json.dumps({"fit": {**fitted, "host_bw": 5e9}}))
     assert load_calibration(get_hardware("cpu-local"), str(path)).host_bw == 5e9
     assert get_hardware("cpu-local").co_run_slowdown == 0.0  # a file without it: none
@@ -123,6 +146,8 @@ def test_a_calibration_file_sets_the_profile(tmp_path):
 
 def test_the_real_engine_steps_and_host_tier_loads_are_measured():
     engine = build_engine(None, threads=1)
+    # The engine's fused decode path is on by default (numba is installed): the fit is told.
+    assert fused_decode_max_seqs(engine) == FUSED_DECODE_MAX_SEQS == 4
     samples = measure(
         None,
         threads=1,

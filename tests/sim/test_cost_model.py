@@ -113,9 +113,10 @@ def test_decode_line_across_the_compute_memory_crossover():
 
 def test_the_multi_row_overhead_costs_steps_of_more_than_one_token():
     # cpu-local: a 1-token decode step runs its weight products as GEMV, any larger step as
-    # a GEMM that packs the weights. The GPU profiles carry no such term.
+    # a GEMM that packs the weights (here without the fused path, below). The GPU profiles
+    # carry no such term.
     model = get_model("smollm2-135m")
-    plain = get_hardware("cpu-local").with_fit(multi_row_overhead_s=0.0)
+    plain = get_hardware("cpu-local").with_fit(multi_row_overhead_s=0.0, fused_decode_max_seqs=0)
     cost = CostModel(model, plain.with_fit(multi_row_overhead_s=0.05), 1, "fp32")
     without = CostModel(model, plain, 1, "fp32")
     for batch in (1, 4):
@@ -129,6 +130,34 @@ def test_the_multi_row_overhead_costs_steps_of_more_than_one_token():
     assert cost.step_time(prefill) == pytest.approx(without.step_time(prefill) + 0.05)
     gpus = [get_hardware(n) for n in ("h100", "h200", "mi300x", "b200")]
     assert all(g.multi_row_overhead_s == 0.0 and g.attention_eff is None for g in gpus)
+    assert all(g.fused_decode_max_seqs == 0 for g in gpus)
+
+
+def test_decode_steps_small_enough_for_the_fused_path_pay_no_multi_row_overhead():
+    # cpu-local's engine runs decode-only steps of up to 4 sequences on its fused path (one
+    # weight read for all rows, no GEMM); a fifth sequence, or any prefill token, leaves it.
+    model = get_model("smollm2-135m")
+    plain = get_hardware("cpu-local").with_fit(multi_row_overhead_s=0.0)
+    assert get_hardware("cpu-local").fused_decode_max_seqs == 4
+    cost = CostModel(model, plain.with_fit(multi_row_overhead_s=0.05), 1, "fp32")
+    without = CostModel(model, plain, 1, "fp32")
+    for batch, extra in ((1, 0.0), (2, 0.0), (4, 0.0), (5, 0.05), (16, 0.05)):
+        step = StepShape(batch, batch, batch * 129, batch * 129, batch)
+        assert cost.step_time(step) == pytest.approx(without.step_time(step) + extra, rel=1e-12)
+        assert cost.decode_line(batch, batch * 129).step(0) == pytest.approx(
+            cost.step_time(step), rel=1e-12
+        )
+    # Three decodes beside a 16-token prefill chunk: four chunks, but not decode-only.
+    mixed = StepShape(19, 4, 3 * 129 + 16 * 17 / 2, 3 * 129 + 16, 4)
+    assert cost.step_time(mixed) == pytest.approx(without.step_time(mixed) + 0.05, rel=1e-12)
+    # Without the fused path (an engine run with --no-fused-decode) every multi-row step pays.
+    torch_only = CostModel(
+        model, plain.with_fit(multi_row_overhead_s=0.05, fused_decode_max_seqs=0), 1, "fp32"
+    )
+    pair = StepShape(2, 2, 2 * 129, 2 * 129, 2)
+    assert torch_only.step_time(pair) == pytest.approx(without.step_time(pair) + 0.05, rel=1e-12)
+    with pytest.raises(ValueError, match="fused_decode_max_seqs"):
+        plain.with_fit(fused_decode_max_seqs=-1)
 
 
 def test_attention_at_its_own_efficiency():

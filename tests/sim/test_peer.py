@@ -14,7 +14,8 @@ from splitserve.sim.models import get_model
 from splitserve.sim.run import SimResult, simulate
 
 # Four one-thread workers with small pools at a load that moves turns off their homes (the
-# setting of docs/benchmarks.md's peer fetch runs, load floor 1).
+# setting of docs/benchmarks.md's peer fetch runs, load floor 1; their engines ran every
+# step on the torch path, before the fused decode path).
 WORKLOAD = AgenticConfig(seed=0)
 RATE, DURATION = 0.35, 120.0
 
@@ -22,7 +23,7 @@ RATE, DURATION = 0.35, 120.0
 def run(peer: bool) -> SimResult:
     cfg = SimConfig(
         get_model("smollm2-135m"),
-        get_hardware("cpu-local"),
+        get_hardware("cpu-local").with_fit(fused_decode_max_seqs=0),
         dtype="fp32",
         kv_cache_gb=0.06,
         max_num_seqs=64,

@@ -7,11 +7,13 @@ peak in weight products ``G``, attention ``A`` and memory ``M``; the fit finds t
 efficiencies and overheads minimising the squared relative error of::
 
     t = max(G / compute_eff + A / attention_eff, M / memory_eff) + overhead
-        + per_seq * sequences + multi_row * [tokens > 1]
+        + per_seq * sequences + multi_row * [multi-row step]
 
 (a grid over the three efficiencies, non-negative linear least squares for the three
 overheads at each point). ``multi_row``: a step of one token runs its weight products as
-GEMV, a larger one as GEMM, which packs the weights first. It also times the real KV mover
+GEMV, a larger one as GEMM, which packs the weights first; a decode-only step of at most
+``fused_decode_max_seqs`` sequences runs on the engine's fused path and pays no such cost
+(the fit records the engine's limit, 0 when its fused path was off). It also times the real KV mover
 loading blocks from a host-RAM tier into the engine's KV cache: the simulated host-tier
 loads' bandwidth (``host_bw``). ``--co-run`` times the grid once more while a second engine
 computes in another process: ``co_run_slowdown``, how much two workers sharing this machine
@@ -37,6 +39,7 @@ from splitserve.sim.step_timing import (
     Sample,
     build_engine,
     co_run_slowdown,
+    fused_decode_max_seqs,
     measure,
     measure_co_run,
     measure_host_load,
@@ -83,6 +86,7 @@ def fit(samples: list[Sample], cost: CostModel) -> dict[str, float]:
         **{name: float(v) for name, v in zip(OVERHEADS, coef[:, 0], strict=True)},
         "max_rel_error": float(np.max(np.abs(rel))),
         "rms_rel_error": float(np.sqrt(np.mean(rel**2))),
+        "fused_decode_max_seqs": cost.hw.fused_decode_max_seqs,
     }
 
 
@@ -94,8 +98,13 @@ class _Terms:
         self.gemm = np.array([cost.compute_time(s.shape) for s in samples]) - self.attention
         self.memory = np.array([cost.memory_time(s.shape) for s in samples])
         self.t = np.array([s.seconds for s in samples])
-        # The overheads' terms: 1, sequences, [tokens > 1].
-        self.x = np.array([[1.0, s.shape.chunks, float(s.shape.tokens > 1)] for s in samples])
+        # The overheads' terms: 1, sequences, [multi-row step].
+        self.x = np.array(
+            [
+                [1.0, s.shape.chunks, float(cost.multi_row(s.shape.tokens, s.shape.chunks))]
+                for s in samples
+            ]
+        )
 
     def overheads(self, roofs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Non-negative overheads for each column of roof times, and relative errors."""
@@ -136,15 +145,20 @@ def _nonnegative_fits(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndar
     return best_coef, best_err
 
 
-def peak_cost_model() -> CostModel:
-    """The bundled model on cpu-local at 100% efficiency and no overhead: what ``fit`` scales."""
-    hw = get_hardware("cpu-local").with_fit(
+def peak_cost_model(fused_decode_max_seqs: int | None = None) -> CostModel:
+    """The bundled model on cpu-local at 100% efficiency and no overhead: what ``fit`` scales
+    (``fused_decode_max_seqs``: the measured engine's, default cpu-local's)."""
+    hw = get_hardware("cpu-local")
+    hw = hw.with_fit(
         compute_eff=1.0,
         memory_eff=1.0,
         attention_eff=1.0,
         step_overhead_s=0.0,
         seq_overhead_s=0.0,
         multi_row_overhead_s=0.0,
+        fused_decode_max_seqs=(
+            hw.fused_decode_max_seqs if fused_decode_max_seqs is None else fused_decode_max_seqs
+        ),
     )
     return CostModel(get_model("smollm2-135m"), hw, 1, "fp32")
 
@@ -156,16 +170,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"--co-run times two engines of --threads {args.threads} at once, which needs "
             f"{2 * args.threads} cores; this machine has {cores}"
         )
-    cost = peak_cost_model()
     co_run: list[Sample] = []
     if args.refit:
         samples, host_bw, co_run = read_samples(args.refit)
+        fused_max = stored_fused_max(args.refit)
     else:
         engine = build_engine(args.model_path, args.threads)
+        fused_max = fused_decode_max_seqs(engine)
         samples = measure(args.model_path, args.threads, args.repeats, engine=engine)
         host_bw = measure_host_load(engine, repeats=args.repeats)
         if args.co_run:
             co_run = measure_co_run(engine, args.threads, args.repeats)
+    cost = peak_cost_model(fused_max)
     result = fit(samples, cost)
     if host_bw is not None:
         result["host_bw"] = host_bw
@@ -188,7 +204,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cost_model_of(result: dict[str, float]) -> CostModel:
     """The bundled model on cpu-local with a fit's factors."""
     keys = ("compute_eff", "memory_eff", "attention_eff", *OVERHEADS)
-    hw = get_hardware("cpu-local").with_fit(**{k: result[k] for k in keys})
+    hw = get_hardware("cpu-local").with_fit(
+        **{k: result[k] for k in keys},
+        fused_decode_max_seqs=int(result.get("fused_decode_max_seqs", 0)),
+    )
     return CostModel(get_model("smollm2-135m"), hw, 1, "fp32")
 
 
@@ -238,6 +257,16 @@ MEASURED_ELSEWHERE = (
     "serving_cpu_per_token_s",
     "kv_copy_cpu_per_block_s",
 )
+
+
+def stored_fused_max(path: str) -> int:
+    """The fused decode limit of the engine an earlier file timed (0 in files from before the
+    fused path, which timed the torch path)."""
+    with open(path) as f:
+        value = json.load(f).get("fit", {}).get("fused_decode_max_seqs", 0)
+    if not isinstance(value, int) or value < 0:
+        raise SystemExit(f"{path}: fused_decode_max_seqs must be an integer >= 0, got {value!r}")
+    return value
 
 
 def measured_elsewhere(path: str) -> dict[str, float]:

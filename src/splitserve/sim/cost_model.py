@@ -10,12 +10,14 @@ A step is a batch of chunks; chunk ``i`` computes ``n_i`` tokens at positions
 
     compute  = (2 P T + 2 V h S) / (tp * peak * compute_eff) + 4 L H d A / (tp * peak * attn_eff)
     memory   = (weights(T) + kv * (R + T)) / (bw * memory_eff)   [per GPU: weights / tp]
-    step     = max(compute, memory) + overhead + per_seq * chunks + multi_row [T > 1]
+    step     = max(compute, memory) + overhead + per_seq * chunks + multi_row [multi-row]
                + all-reduces(T)
 
 ``attn_eff`` is ``compute_eff`` unless the profile sets its own (``cpu-local``).
 ``multi_row`` is a fixed cost of steps of more than one token (0 on the GPU profiles; on
-``cpu-local`` the weight products leave GEMV for a GEMM that packs the weights).
+``cpu-local`` the weight products leave GEMV for a GEMM that packs the weights), except
+decode-only steps of at most ``fused_decode_max_seqs`` sequences (``T = chunks``), which the
+engine runs on its fused path (one weight read for all rows, no GEMM).
 
 ``P`` is the per-token active parameters without embeddings, ``V h`` the LM head. An MoE
 layer reads only the experts its tokens picked: ``E (1 - (1 - k/E)^T)`` of them on average
@@ -101,6 +103,7 @@ class CostModel:
         self.weight_bytes_gpu = m.total_params * wb / tp
         self._overhead = hardware.step_overhead_s
         self._multi_row = hardware.multi_row_overhead_s
+        self._fused_max = hardware.fused_decode_max_seqs
         if tp > 1:
             per_token = 2 * (tp - 1) / tp * m.hidden * ACTIVATION_BYTES / hardware.link_bw
             self._t_comm0 = 2 * m.layers * hardware.allreduce_latency_s
@@ -131,11 +134,16 @@ class CostModel:
     def memory_time(self, shape: StepShape) -> float:
         return self.weight_time(shape.tokens) + self._t_kv * (shape.kv_read + shape.tokens)
 
+    def multi_row(self, tokens: int, chunks: int) -> bool:
+        """Whether a step pays the multi-row overhead: more than one token, and not a
+        decode-only step (one token per chunk) small enough for the fused path."""
+        return tokens > 1 and not (tokens == chunks and chunks <= self._fused_max)
+
     def fixed_time(self, tokens: int, chunks: int) -> float:
         """What no roofline covers: per-step overhead, per-sequence overhead, the multi-row
         step's overhead, all-reduces."""
         comm = self._t_comm0 + self._t_comm_token * tokens if tokens else 0.0
-        multi_row = self._multi_row if tokens > 1 else 0.0
+        multi_row = self._multi_row if self.multi_row(tokens, chunks) else 0.0
         return self._overhead + self.seq_overhead_s * chunks + comm + multi_row
 
     def step_time(self, shape: StepShape) -> float:

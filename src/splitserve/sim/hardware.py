@@ -42,6 +42,10 @@ class HardwareProfile:
     # Per step of more than one token: on cpu-local the weight products of a multi-row step
     # take the GEMM path (which packs the weights) where a 1-row decode step takes GEMV.
     multi_row_overhead_s: float = 0.0
+    # Decode-only steps of at most this many sequences skip that overhead: on cpu-local the
+    # engine runs them on its fused path (``models/fused_decode.py``), one weight read for
+    # all rows (the engine's ``FUSED_DECODE_MAX_SEQS``; 0: no such path).
+    fused_decode_max_seqs: int = 0
     # Attention's share of the compute at its own efficiency (None: compute_eff's). On
     # cpu-local the runner gathers each chunk's context and runs SDPA, far below GEMM speed.
     attention_eff: float | None = None
@@ -83,6 +87,8 @@ class HardwareProfile:
         for name in ("compute_eff", "memory_eff", "memory_utilization", "attention_eff"):
             if getattr(self, name) is not None and not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"hardware {self.name}: {name} must be in (0, 1]")
+        if self.fused_decode_max_seqs < 0:
+            raise ValueError(f"hardware {self.name}: fused_decode_max_seqs must be >= 0")
 
     def flops(self, dtype: str) -> float:
         try:
@@ -181,6 +187,7 @@ HARDWARE: dict[str, HardwareProfile] = {
             step_overhead_s=7.2e-3,
             seq_overhead_s=2.6e-3,
             multi_row_overhead_s=51.4e-3,
+            fused_decode_max_seqs=4,
             link_latency_s=2e-3,
             net_latency_s=2e-3,
             allreduce_latency_s=0.0,
@@ -213,6 +220,12 @@ def get_hardware(name: str) -> HardwareProfile:
         raise ValueError(f"unknown hardware {name!r}; choose from {known}") from None
 
 
+def _count(value: object, path: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"calibration file {path}: fused_decode_max_seqs must be an integer >= 0")
+    return value
+
+
 def load_calibration(hw: HardwareProfile, path: str) -> HardwareProfile:
     """``hw`` with the efficiency factors and overhead a ``sim calibrate --out`` file holds."""
     try:
@@ -227,6 +240,8 @@ def load_calibration(hw: HardwareProfile, path: str) -> HardwareProfile:
     values: dict[str, float | None] = {k: float(fit[k]) for k in keys}
     # A file fitted before the multi-row term existed was fitted without it.
     values["multi_row_overhead_s"] = float(fit.get("multi_row_overhead_s", 0.0))
+    # ... and a file fitted before the engine's fused decode path existed timed the torch path.
+    values["fused_decode_max_seqs"] = _count(fit.get("fused_decode_max_seqs", 0), path)
     attention = fit.get("attention_eff")
     values["attention_eff"] = float(attention) if isinstance(attention, int | float) else None
     if isinstance(fit.get("host_bw"), int | float) and fit["host_bw"] > 0:

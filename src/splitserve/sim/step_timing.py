@@ -48,6 +48,13 @@ def build_engine(model_path: str | None, threads: int):
     return LLMEngine(EngineConfig(model=model_path, threads=threads))
 
 
+def fused_decode_max_seqs(engine) -> int:
+    """The most sequences a decode-only step of ``engine`` runs on its fused path (0: off)."""
+    from splitserve.engine.model_runner import FUSED_DECODE_MAX_SEQS
+
+    return FUSED_DECODE_MAX_SEQS if engine.runner.fused is not None else 0
+
+
 def measure(
     model_path: str | None,
     threads: int,
