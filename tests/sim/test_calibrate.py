@@ -115,6 +115,36 @@ def test_refit_cli_recovers_the_factors_from_a_stored_file(tmp_path, capsys):
         main(["sim", "calibrate", "--refit", str(old)])
 
 
+def test_refit_of_two_files_fits_their_samples_together(tmp_path, capsys):
+    # Calibrations taken before and after a run, the machine 20% slower in the second: one fit
+    # over both (a median per step over the two files' repeats), between the two alone.
+    truth = {**TRUTH, "fused_decode_max_seqs": 4}
+    before, after = tmp_path / "before.json", tmp_path / "after.json"
+    fast = synthetic(truth)
+    slow = [Sample(s.shape, 1.2 * s.seconds) for s in fast]
+    cost = peak_cost_model(4)
+    write_calibration(
+        str(before), {**fit(fast, cost), "host_bw": 2e9, "serving_cpu_per_token_s": 0.001}, fast
+    )
+    write_calibration(str(after), {**fit(slow, cost), "host_bw": 3e9}, slow)
+    both = tmp_path / "both.json"
+    assert main(["sim", "calibrate", "--refit", str(before), str(after), "--out", str(both)]) == 0
+    capsys.readouterr()
+    got = json.loads(both.read_text())["fit"]
+    assert got == {
+        **fit(fast + slow, cost),
+        "host_bw": 2.5e9,  # the mean of the measured ones
+        "serving_cpu_per_token_s": 0.001,  # measured elsewhere: kept
+    }
+    assert got["fused_decode_max_seqs"] == 4
+    one = fit(fast, cost)
+    assert cost_model_of(one).step_time(fast[0].shape) < cost_model_of(got).step_time(fast[0].shape)
+    # Files that timed the fused path and the torch path describe different steps.
+    write_calibration(str(after), {**fit(slow, peak_cost_model(0))}, slow)
+    with pytest.raises(SystemExit, match="different fused decode limits"):
+        main(["sim", "calibrate", "--refit", str(before), str(after)])
+
+
 def test_a_calibration_file_sets_the_profile(tmp_path):
     path = tmp_path / "cal.json"
     fitted = {"compute_eff": 0.3, "memory_eff": 0.4, "step_overhead_s": 0.01, "seq_overhead_s": 0.0}

@@ -18,7 +18,9 @@ loading blocks from a host-RAM tier into the engine's KV cache: the simulated ho
 loads' bandwidth (``host_bw``). ``--co-run`` times the grid once more while a second engine
 computes in another process: ``co_run_slowdown``, how much two workers sharing this machine
 slow each other beyond the share of cores (``sim --host-cores``). ``--refit FILE`` fits the
-samples of an earlier ``--out`` file again, measuring nothing. The measurements live in
+samples of an earlier ``--out`` file again, measuring nothing; ``--refit BEFORE AFTER`` fits
+two files' samples together (medians over both), a calibration bracketing a run between
+them. The measurements live in
 ``step_timing``; this module fits them and reads and writes calibration files.
 """
 
@@ -60,8 +62,10 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--refit",
         default=None,
+        nargs="+",
         metavar="FILE",
-        help="fit the samples of an earlier `sim calibrate --out` FILE again (measures nothing)",
+        help="fit the samples of earlier `sim calibrate --out` files again (measures nothing); "
+        "two or more: fitted together, e.g. calibrations taken before and after a run",
     )
 
 
@@ -171,9 +175,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"{2 * args.threads} cores; this machine has {cores}"
         )
     co_run: list[Sample] = []
+    elsewhere: dict[str, float] = {}
     if args.refit:
-        samples, host_bw, co_run = read_samples(args.refit)
-        fused_max = stored_fused_max(args.refit)
+        samples, host_bw, co_run, fused_max, elsewhere = read_files(args.refit)
     else:
         engine = build_engine(args.model_path, args.threads)
         fused_max = fused_decode_max_seqs(engine)
@@ -187,8 +191,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         result["host_bw"] = host_bw
     if co_run:
         result["co_run_slowdown"] = co_run_slowdown(samples, co_run)
-    if args.refit:
-        result.update(measured_elsewhere(args.refit))
+    result.update(elsewhere)
     print(f"{'step':<28}{'measured ms':>12}{'fitted ms':>11}")
     fitted = cost_model_of(result)
     for s in medians(samples):
@@ -267,6 +270,34 @@ def stored_fused_max(path: str) -> int:
     if not isinstance(value, int) or value < 0:
         raise SystemExit(f"{path}: fused_decode_max_seqs must be an integer >= 0, got {value!r}")
     return value
+
+
+def read_files(
+    paths: list[str],
+) -> tuple[list[Sample], float | None, list[Sample], int, dict[str, float]]:
+    """What ``--refit`` fits: every file's samples and co-run samples together, the mean of
+    their measured ``host_bw``, their engines' fused decode limit (which must agree) and the
+    figures measured elsewhere (the first file holding each wins)."""
+    samples: list[Sample] = []
+    co_run: list[Sample] = []
+    bandwidths: list[float] = []
+    limits: set[int] = set()
+    elsewhere: dict[str, float] = {}
+    for path in paths:
+        got, host_bw, co = read_samples(path)
+        samples += got
+        co_run += co
+        if host_bw is not None:
+            bandwidths.append(host_bw)
+        limits.add(stored_fused_max(path))
+        elsewhere = {**measured_elsewhere(path), **elsewhere}
+    if len(limits) > 1:
+        raise SystemExit(
+            f"{', '.join(paths)} timed engines with different fused decode limits "
+            f"({sorted(limits)}): their steps are not the same steps"
+        )
+    host_bw = sum(bandwidths) / len(bandwidths) if bandwidths else None
+    return samples, host_bw, co_run, limits.pop(), elsewhere
 
 
 def measured_elsewhere(path: str) -> dict[str, float]:
