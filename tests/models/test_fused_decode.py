@@ -129,3 +129,11 @@ def test_bfloat16_models_keep_the_torch_path(tmp_path, hf_model_factory, caplog)
     assert runner.fused is None and "float32" in caplog.text
     with pytest.raises(RuntimeError, match="float32"):
         fused_decode.FusedDecoder(loaded.model, parts=2)
+
+
+def test_the_kernels_called_from_python_release_the_gil():
+    """A decode step runs for tens of milliseconds inside these two kernels; holding the GIL
+    that long stalls the worker's HTTP loop and its KV mover thread for every step (found by
+    the simulator's validation run: engine busy wall time far above its CPU time)."""
+    for kernel in (fused_decode._decode_layers, fused_decode._final):
+        assert kernel.targetoptions.get("nogil") is True, kernel.py_func.__name__

@@ -252,7 +252,7 @@ if numba is not None:
         for d in range(out.shape[0]):
             out[d] /= total
 
-    @njit(parallel=_PARALLEL, boundscheck=False, cache=True)
+    @njit(parallel=_PARALLEL, nogil=True, boundscheck=False, cache=True)
     def _decode_layers(
         x,
         in_norms,
@@ -341,7 +341,7 @@ if numba is not None:
             _add(x, d)
         return x
 
-    @njit(parallel=_PARALLEL, boundscheck=False, cache=True)
+    @njit(parallel=_PARALLEL, nogil=True, boundscheck=False, cache=True)
     def _final(x, norm, lm_head, logits, eps, parts):
         h = _rms_norm(x, norm, eps)
         out = lm_head.shape[1]
