@@ -178,15 +178,16 @@ HARDWARE: dict[str, HardwareProfile] = {
             link_bw=1.0 * GB,
             net_bw=1.0 * GB,
             gpus_per_node=64,
-            # `splitserve sim calibrate --repeats 5` on 2026-11-30 16:54 UTC on a quiet machine
-            # (load average < 1.4), refitted (`--refit`) with the attention and multi-row
-            # terms: rms error 1.1%, max 2.0% over its 8 step shapes (docs/simulator.md).
-            compute_eff=0.93,
-            memory_eff=1.0,
-            attention_eff=0.32,
-            step_overhead_s=7.2e-3,
-            seq_overhead_s=2.6e-3,
-            multi_row_overhead_s=51.4e-3,
+            # `splitserve sim calibrate --repeats 5` on 2026-12-02 00:52 UTC on a quiet machine
+            # (load average < 1.1), the engine's fused decode path on: rms error 5.7%, max
+            # 12% over its 13 step shapes (docs/runs/2026-12-02/cal-before.json,
+            # docs/simulator.md).
+            compute_eff=1.0,
+            memory_eff=0.73,
+            attention_eff=0.31,
+            step_overhead_s=21.1e-3,
+            seq_overhead_s=6.0e-3,
+            multi_row_overhead_s=38.2e-3,
             fused_decode_max_seqs=4,
             link_latency_s=2e-3,
             net_latency_s=2e-3,
