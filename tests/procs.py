@@ -10,9 +10,9 @@ import time
 
 import httpx
 
-from splitserve.cluster.local import free_port
+from splitserve.cluster.local import die_with_parent, free_port
 
-__all__ = ["free_port", "metric", "start_worker", "stop_group", "wait_healthy"]
+__all__ = ["die_with_parent", "free_port", "metric", "start_worker", "stop_group", "wait_healthy"]
 
 
 def start_worker(
@@ -25,7 +25,7 @@ def start_worker(
     full_env = {**os.environ, **(env or {})}
     if secret is not None:
         full_env["SPLITSERVE_KV_SECRET"] = secret
-    proc = subprocess.Popen(argv, env=full_env, start_new_session=True)
+    proc = subprocess.Popen(argv, env=full_env, start_new_session=True, preexec_fn=die_with_parent)
     return f"http://127.0.0.1:{port}", proc
 
 

@@ -13,7 +13,12 @@ import httpx
 import psutil
 from procs import free_port, stop_group
 
-from splitserve.cluster.local import LocalDeployment, WorkerProcess, own_disk_dir
+from splitserve.cluster.local import (
+    LocalDeployment,
+    WorkerProcess,
+    die_with_parent,
+    own_disk_dir,
+)
 
 # A stand-in worker that starts a child of its own and, optionally, ignores SIGTERM.
 _PARENT = """
@@ -50,6 +55,44 @@ def test_stop_ends_each_worker_and_its_children():
     assert not alive
 
 
+# A launcher that starts a long-lived child the way the launcher and the tests start workers.
+_LAUNCHER = """
+import subprocess, sys, time
+from splitserve.cluster.local import die_with_parent
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                         preexec_fn=die_with_parent)
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def _ended(proc: psutil.Process, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:  # ended; its new parent may never reap it
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_worker_ends_when_its_launcher_is_killed():
+    """SIGKILL gives a launcher (or a test) no chance to stop its workers: they must end by
+    themselves rather than hold their ports and cores."""
+    argv = [sys.executable, "-c", _LAUNCHER]
+    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        child = psutil.Process(int(launcher.stdout.readline()))
+        assert child.is_running() and not _ended(child, timeout=0.2)
+        launcher.kill()
+        launcher.wait(10)
+        assert _ended(child)
+    finally:
+        stop_group(launcher)  # the child too, if it outlived its launcher
+
+
 def _read_lines(stream, out: queue.Queue) -> None:
     for line in stream:
         out.put(line)
@@ -69,7 +112,9 @@ def test_serve_starts_answers_and_exits_cleanly_on_sigterm():
         "--ready-timeout",
         "180",
     ]
-    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=die_with_parent
+    )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_read_lines, args=(launcher.stdout, lines), daemon=True).start()
     try:

@@ -10,7 +10,7 @@ import threading
 
 import httpx
 import psutil
-from procs import free_port, metric, stop_group
+from procs import die_with_parent, free_port, metric, stop_group
 
 PROMPT = "Explain, step by step, how a hash table handles collisions. " * 12
 
@@ -29,7 +29,9 @@ def test_disaggregated_serve_matches_offline_and_stops_cleanly():
     argv = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port)]
     argv += ["--prefill", "1", "--decode", "1", "--threads-per-worker", "1"]
     argv += ["--remote-prefill-threshold", "64", "--ready-timeout", "240"]
-    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=die_with_parent
+    )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_read_lines, args=(launcher.stdout, lines), daemon=True).start()
     try:

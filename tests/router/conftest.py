@@ -18,7 +18,7 @@ import httpx
 import pytest
 import uvicorn
 
-from splitserve.cluster.local import free_port
+from splitserve.cluster.local import die_with_parent, free_port
 from splitserve.router.app import create_app
 from splitserve.router.config import RouterConfig
 from splitserve.router.timing import StampedHttpToolsProtocol
@@ -58,6 +58,7 @@ class FakeWorker:
                 role,
             ],
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
 
     def wait_ready(self) -> FakeWorker:
@@ -189,6 +190,7 @@ class RealWorker:
                 "warning",
             ],
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
 
     def ready(self) -> bool:

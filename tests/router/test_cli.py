@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from splitserve.cluster.local import die_with_parent
 from splitserve.router.cli import add_router_parser, config_from_args
 from splitserve.router.proxy import DECODE_HEADER
 
@@ -79,7 +80,8 @@ def test_router_process_serves_through_a_worker(workers3):
             workers3[0].url,
             "--log-level",
             "warning",
-        ]
+        ],
+        preexec_fn=die_with_parent,
     )
     url = f"http://127.0.0.1:{port}"
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from procs import free_port, stop_group, wait_healthy
+from procs import die_with_parent, free_port, stop_group, wait_healthy
 
 API_KEY = "sk-worker-test"
 # Small enough that "prompt too long" needs only a short prompt; big enough for every test.
@@ -51,7 +51,7 @@ def worker() -> Worker:
         "warning",
     ]
     env = {**os.environ, "SPLITSERVE_API_KEY": API_KEY}
-    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)

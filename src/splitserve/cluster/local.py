@@ -40,7 +40,7 @@ class WorkerProcess:
             self.argv,
             env={**os.environ, **self.env},
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent,
         )
 
     def exited(self) -> int | None:
@@ -61,7 +61,12 @@ class WorkerProcess:
             pass
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """Run in a child before exec (``Popen(preexec_fn=...)``): on Linux it gets SIGTERM when
+    the thread that started it ends, so a killed launcher or test leaves no worker behind;
+    elsewhere nothing."""
+    if sys.platform != "linux":
+        return
     import ctypes
 
     pr_set_pdeathsig = 1
