@@ -192,7 +192,12 @@ HARDWARE: dict[str, HardwareProfile] = {
             link_latency_s=2e-3,
             net_latency_s=2e-3,
             allreduce_latency_s=0.0,
-            remote_leg_s=0.13,  # benchmarks/disagg_latency.py: +140 ms TTFT, 14 ms of it the pull
+            # The second HTTP leg alone: benchmarks/disagg_latency.py's two-leg TTFT less the
+            # prefill worker's prefill, the pull and the decode worker's step over the last
+            # block (docs/benchmarks.md, quiet machine: 16 tokens 283 - 2 x 128 ms = 27 ms;
+            # 256 tokens 1,003 - 852 - ~128 - 9 ms = ~14 ms). The simulator runs that last
+            # step itself; 0.13 s (until 2026-12-02) counted it twice.
+            remote_leg_s=0.025,
             # POST /v1/kv/lease to an idle worker on loopback: 1.8 ms median of 30 (1.3 min).
             peer_lease_s=2e-3,
             # The KV mover's host-RAM load, idle engine: 128 blocks of 720 KiB (2,048 tokens)
