@@ -81,6 +81,18 @@ def test_fit_recovers_the_factors_with_the_fused_decode_path():
     assert wrong["rms_rel_error"] > 3 * right["rms_rel_error"] + 0.003
 
 
+def test_fit_recovers_the_fused_paths_compute_efficiency():
+    # The fused kernel's loops compute far below BLAS: 1- and 4-sequence decode steps
+    # compute-bound at 0.15 of the peak, the rest as before.
+    truth = {**TRUTH, "fused_decode_max_seqs": 4, "fused_compute_eff": 0.15}
+    decodes = [StepShape(b, b, b * 129, b * 129, b) for b in (1, 2, 4)]
+    got = fit(synthetic(truth, shapes() + decodes), peak_cost_model(4))
+    assert_recovered(got, truth)
+    assert got["fused_compute_eff"] == pytest.approx(0.15, abs=0.011)
+    # Without fused steps in the grid there is nothing to fit it from.
+    assert "fused_compute_eff" not in fit(synthetic(TRUTH), peak_cost_model(0))
+
+
 def test_refit_cli_recovers_the_factors_from_a_stored_file(tmp_path, capsys):
     # A file as older `sim calibrate --out` wrote it: tokens and sequences only (prefills
     # from position 0 and decode steps: its grid had no prefill after a context), a host_bw.
@@ -154,7 +166,9 @@ def test_a_calibration_file_sets_the_profile(tmp_path):
     assert hw.host_bw == get_hardware("cpu-local").host_bw  # a file without it: the profile's
     # Fitted before these terms existed: without them.
     assert hw.multi_row_overhead_s == 0.0 and hw.attention_eff is None
-    assert hw.fused_decode_max_seqs == 0
+    assert hw.fused_decode_max_seqs == 0 and hw.fused_compute_eff is None
+    path.write_text(json.dumps({"fit": {**fitted, "fused_compute_eff": 0.16}}))
+    assert load_calibration(get_hardware("cpu-local"), str(path)).fused_compute_eff == 0.16
     path.write_text(json.dumps({"fit": {**fitted, "fused_decode_max_seqs": 4}}))
     assert load_calibration(get_hardware("cpu-local"), str(path)).fused_decode_max_seqs == 4
     for bad in (-1, 2.5, "4"):

@@ -160,6 +160,51 @@ def test_decode_steps_small_enough_for_the_fused_path_pay_no_multi_row_overhead(
         plain.with_fit(fused_decode_max_seqs=-1)
 
 
+def test_the_fused_path_computes_at_its_own_efficiency():
+    # smollm2-135m in float32 on cpu-local, one thread (90 GFLOP/s): a decode step of 4
+    # sequences at 128 tokens of context on the fused path does 2 x 4 x (weights without
+    # embeddings) + the LM head 4 times + attention over 4 x 129 positions, all at
+    # fused_compute_eff; a fifth sequence leaves the path and computes at compute_eff and
+    # attention_eff again. The weight read is at memory_eff either way.
+    model = get_model("smollm2-135m")
+    hw = get_hardware("cpu-local").with_fit(
+        compute_eff=1.0,
+        attention_eff=0.5,
+        memory_eff=1.0,
+        fused_compute_eff=0.05,
+        step_overhead_s=0.0,
+        seq_overhead_s=0.0,
+        multi_row_overhead_s=0.0,
+    )
+    cost = CostModel(model, hw, 1, "fp32")
+    per_token = 2 * model.layers * (model.attention_params + model.active_mlp_params)
+    head = 2 * model.vocab * model.hidden
+    per_position = 4 * model.layers * model.heads * model.head_dim
+
+    def flops(b: int) -> float:
+        return b * per_token + b * head + b * 129 * per_position
+
+    for b in (1, 4):
+        step = StepShape(b, b, b * 129, b * 129, b)
+        expected = flops(b) / (90e9 * 0.05)
+        assert cost.compute_time(step) == pytest.approx(expected, rel=1e-9)
+        assert expected > cost.memory_time(step)  # so it is the step's time
+        assert cost.step_time(step) == pytest.approx(expected, rel=1e-9)
+        assert cost.decode_line(b, b * 129).step(0) == pytest.approx(expected, rel=1e-9)
+    five = StepShape(5, 5, 5 * 129, 5 * 129, 5)
+    expected = (5 * per_token + 5 * head) / 90e9 + 5 * 129 * per_position / (90e9 * 0.5)
+    assert cost.compute_time(five) == pytest.approx(expected, rel=1e-9)
+    # Without its own efficiency (older calibrations, the GPU profiles) as any other step.
+    same = CostModel(model, hw.with_fit(fused_compute_eff=None), 1, "fp32")
+    one = StepShape(1, 1, 129, 129, 1)
+    assert same.compute_time(one) == pytest.approx(
+        (per_token + head) / 90e9 + 129 * per_position / (90e9 * 0.5), rel=1e-9
+    )
+    assert all(get_hardware(n).fused_compute_eff is None for n in ("h100", "mi300x", "b200"))
+    with pytest.raises(ValueError, match="fused_compute_eff"):
+        hw.with_fit(fused_compute_eff=1.5)
+
+
 def test_attention_at_its_own_efficiency():
     # Attention's FLOPs at attention_eff, the weight products' at compute_eff: a prefill
     # after a 512-token context pays for the context's attention alone at the slower rate.

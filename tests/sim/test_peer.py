@@ -26,6 +26,7 @@ TORCH_PATH_FIT = dict(
     seq_overhead_s=2.6e-3,
     multi_row_overhead_s=51.4e-3,
     fused_decode_max_seqs=0,
+    fused_compute_eff=None,
 )
 WORKLOAD = AgenticConfig(seed=0)
 RATE, DURATION = 0.35, 120.0

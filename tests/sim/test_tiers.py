@@ -166,6 +166,7 @@ CPU_LOCAL_2026_11_30 = get_hardware("cpu-local").with_fit(
     step_overhead_s=0.0,
     seq_overhead_s=14.3e-3,
     multi_row_overhead_s=0.0,
+    fused_compute_eff=None,
 )
 
 

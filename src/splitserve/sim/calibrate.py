@@ -74,16 +74,20 @@ OVERHEADS = ("step_overhead_s", "seq_overhead_s", "multi_row_overhead_s")
 
 def fit(samples: list[Sample], cost: CostModel) -> dict[str, float]:
     """Efficiencies and overheads for ``cost``'s profile (built with every efficiency 1):
-    a coarse grid over the three efficiencies (steps of 0.05), then a fine one (0.01)
-    around its best point."""
+    a coarse grid over the efficiencies (steps of 0.05), then a fine one (0.01) around its
+    best point. The fused decode path's compute efficiency is fitted where the grid has
+    steps that ran on it."""
     terms = _Terms(medians(samples), cost)
     coarse = np.arange(0.05, 1.0 + 1e-9, 0.05)
-    best = terms.best((coarse, coarse, coarse))
-    fine = tuple(np.arange(max(v - 0.05, 0.01), min(v + 0.05, 1.0) + 1e-9, 0.01) for v in best)
-    ce, me, ae = terms.best(fine)
-    roof = np.maximum(terms.gemm / ce + terms.attention / ae, terms.memory / me)
-    coef, rel = terms.overheads(roof[:, None])
-    return {
+    fused_axis = coarse if terms.fused.any() else np.array([1.0])
+    best = terms.best((coarse, coarse, coarse, fused_axis))
+    fine = tuple(
+        np.arange(max(v - 0.05, 0.01), min(v + 0.05, 1.0) + 1e-9, 0.01) if len(axis) > 1 else axis
+        for v, axis in zip(best, (coarse, coarse, coarse, fused_axis), strict=True)
+    )
+    ce, me, ae, fe = terms.best(fine)
+    coef, rel = terms.overheads(terms.roofs(*(np.array([v]) for v in (ce, me, ae, fe))))
+    result = {
         "compute_eff": float(ce),
         "memory_eff": float(me),
         "attention_eff": float(ae),
@@ -92,6 +96,9 @@ def fit(samples: list[Sample], cost: CostModel) -> dict[str, float]:
         "rms_rel_error": float(np.sqrt(np.mean(rel**2))),
         "fused_decode_max_seqs": cost.hw.fused_decode_max_seqs,
     }
+    if terms.fused.any():
+        result["fused_compute_eff"] = float(fe)
+    return result
 
 
 class _Terms:
@@ -101,6 +108,7 @@ class _Terms:
         self.attention = np.array([cost.compute_time(_attention_only(s.shape)) for s in samples])
         self.gemm = np.array([cost.compute_time(s.shape) for s in samples]) - self.attention
         self.memory = np.array([cost.memory_time(s.shape) for s in samples])
+        self.fused = np.array([cost.fused(s.shape.tokens, s.shape.chunks) for s in samples])
         self.t = np.array([s.seconds for s in samples])
         # The overheads' terms: 1, sequences, [multi-row step].
         self.x = np.array(
@@ -110,20 +118,28 @@ class _Terms:
             ]
         )
 
+    def roofs(self, ce: np.ndarray, me: np.ndarray, ae: np.ndarray, fe: np.ndarray) -> np.ndarray:
+        """Each sample's roofline time (rows) for each set of efficiencies (columns): the
+        fused path's steps compute at ``fe``, the others' weights at ``ce`` and attention at
+        ``ae``; every step reads memory at ``me``."""
+        gemm, attention = self.gemm[:, None], self.attention[:, None]
+        compute = np.where(self.fused[:, None], (gemm + attention) / fe, gemm / ce + attention / ae)
+        return np.maximum(compute, self.memory[:, None] / me)
+
     def overheads(self, roofs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Non-negative overheads for each column of roof times, and relative errors."""
         t = self.t[:, None]
         coef, _ = _nonnegative_fits(self.x / t, (t - roofs) / t)
         return coef, (roofs + self.x @ coef - t) / t
 
-    def best(self, axes: tuple[np.ndarray, ...]) -> tuple[float, float, float]:
-        """The (compute, memory, attention) efficiencies on the grid ``axes`` spans with the
-        smallest squared relative error."""
-        ce, me, ae = (g.ravel() for g in np.meshgrid(*axes, indexing="ij"))
-        compute = self.gemm[:, None] / ce + self.attention[:, None] / ae
-        _, rel = self.overheads(np.maximum(compute, self.memory[:, None] / me))
+    def best(self, axes: tuple[np.ndarray, ...]) -> tuple[float, float, float, float]:
+        """The (compute, memory, attention, fused compute) efficiencies on the grid ``axes``
+        spans with the smallest squared relative error."""
+        grid = [g.ravel() for g in np.meshgrid(*axes, indexing="ij")]
+        _, rel = self.overheads(self.roofs(*grid))
         i = int(np.argmin(np.sum(rel**2, axis=0)))
-        return float(ce[i]), float(me[i]), float(ae[i])
+        ce, me, ae, fe = (float(g[i]) for g in grid)
+        return ce, me, ae, fe
 
 
 def _attention_only(shape: StepShape) -> StepShape:
@@ -160,6 +176,7 @@ def peak_cost_model(fused_decode_max_seqs: int | None = None) -> CostModel:
         step_overhead_s=0.0,
         seq_overhead_s=0.0,
         multi_row_overhead_s=0.0,
+        fused_compute_eff=1.0,
         fused_decode_max_seqs=(
             hw.fused_decode_max_seqs if fused_decode_max_seqs is None else fused_decode_max_seqs
         ),
@@ -210,6 +227,7 @@ def cost_model_of(result: dict[str, float]) -> CostModel:
     hw = get_hardware("cpu-local").with_fit(
         **{k: result[k] for k in keys},
         fused_decode_max_seqs=int(result.get("fused_decode_max_seqs", 0)),
+        fused_compute_eff=result.get("fused_compute_eff"),
     )
     return CostModel(get_model("smollm2-135m"), hw, 1, "fp32")
 

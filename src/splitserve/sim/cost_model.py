@@ -17,7 +17,9 @@ A step is a batch of chunks; chunk ``i`` computes ``n_i`` tokens at positions
 ``multi_row`` is a fixed cost of steps of more than one token (0 on the GPU profiles; on
 ``cpu-local`` the weight products leave GEMV for a GEMM that packs the weights), except
 decode-only steps of at most ``fused_decode_max_seqs`` sequences (``T = chunks``), which the
-engine runs on its fused path (one weight read for all rows, no GEMM).
+engine runs on its fused path (one weight read for all rows, no GEMM). Their compute,
+weights and attention alike, is at ``fused_compute_eff`` when the profile sets it: the fused
+kernel's own loops, not BLAS.
 
 ``P`` is the per-token active parameters without embeddings, ``V h`` the LM head. An MoE
 layer reads only the experts its tokens picked: ``E (1 - (1 - k/E)^T)`` of them on average
@@ -88,6 +90,15 @@ class CostModel:
         attention_eff = hardware.attention_eff or hardware.compute_eff
         attention_flops = tp * hardware.flops(dtype) * attention_eff
         self._t_attended = 4 * m.layers * m.heads * m.head_dim / attention_flops
+        # The fused decode path's compute: the same terms at its own efficiency.
+        self._t_token_fused = self._t_token
+        self._t_sampled_fused = self._t_sampled
+        self._t_attended_fused = self._t_attended
+        if hardware.fused_compute_eff is not None:
+            fused_flops = tp * hardware.flops(dtype) * hardware.fused_compute_eff
+            self._t_token_fused *= flops / fused_flops
+            self._t_sampled_fused *= flops / fused_flops
+            self._t_attended_fused *= attention_flops / fused_flops
         kv_heads_per_gpu = math.ceil(m.kv_heads / tp)
         self.kv_bytes_per_token_gpu = (
             m.kv_bytes_per_token(self.kv_dtype) * kv_heads_per_gpu // m.kv_heads
@@ -125,6 +136,12 @@ class CostModel:
         return t
 
     def compute_time(self, shape: StepShape) -> float:
+        if self.fused(shape.tokens, shape.chunks):
+            return (
+                self._t_token_fused * shape.tokens
+                + self._t_sampled_fused * shape.sampled
+                + self._t_attended_fused * shape.attended
+            )
         return (
             self._t_token * shape.tokens
             + self._t_sampled * shape.sampled
@@ -134,10 +151,15 @@ class CostModel:
     def memory_time(self, shape: StepShape) -> float:
         return self.weight_time(shape.tokens) + self._t_kv * (shape.kv_read + shape.tokens)
 
+    def fused(self, tokens: int, chunks: int) -> bool:
+        """Whether a step runs on the fused decode path: decode-only (one token per chunk)
+        and small enough."""
+        return tokens == chunks and 0 < chunks <= self._fused_max
+
     def multi_row(self, tokens: int, chunks: int) -> bool:
         """Whether a step pays the multi-row overhead: more than one token, and not a
-        decode-only step (one token per chunk) small enough for the fused path."""
-        return tokens > 1 and not (tokens == chunks and chunks <= self._fused_max)
+        decode-only step small enough for the fused path."""
+        return tokens > 1 and not self.fused(tokens, chunks)
 
     def fixed_time(self, tokens: int, chunks: int) -> float:
         """What no roofline covers: per-step overhead, per-sequence overhead, the multi-row
@@ -155,11 +177,16 @@ class CostModel:
     def decode_line(self, batch: int, context_sum: int) -> DecodeLine:
         """Step times of ``batch`` decoding sequences whose contexts (after this step's token)
         sum to ``context_sum``: each later step adds ``batch`` to that sum."""
-        c0 = (self._t_token + self._t_sampled) * batch + self._t_attended * context_sum
+        if self.fused(batch, batch):
+            t_token = self._t_token_fused + self._t_sampled_fused
+            t_attended = self._t_attended_fused
+        else:
+            t_token, t_attended = self._t_token + self._t_sampled, self._t_attended
+        c0 = t_token * batch + t_attended * context_sum
         m0 = self.weight_time(batch) + self._t_kv * (context_sum + batch)
         return DecodeLine(
             c0=c0,
-            c1=self._t_attended * batch,
+            c1=t_attended * batch,
             m0=m0,
             m1=self._t_kv * batch,
             fixed=self.fixed_time(batch, batch),

@@ -46,6 +46,10 @@ class HardwareProfile:
     # engine runs them on its fused path (``models/fused_decode.py``), one weight read for
     # all rows (the engine's ``FUSED_DECODE_MAX_SEQS``; 0: no such path).
     fused_decode_max_seqs: int = 0
+    # The fused path's arithmetic (weights and attention) as a fraction of the peak: plain
+    # compiled loops, one pass over the weights for every row, not the BLAS the peak is
+    # measured with (None: as other steps). Its weight read is at memory_eff like any step's.
+    fused_compute_eff: float | None = None
     # Attention's share of the compute at its own efficiency (None: compute_eff's). On
     # cpu-local the runner gathers each chunk's context and runs SDPA, far below GEMM speed.
     attention_eff: float | None = None
@@ -84,7 +88,8 @@ class HardwareProfile:
         for name in ("hbm_bw", "hbm_bytes", "link_bw", "net_bw", "host_bw", "disk_bw"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"hardware {self.name}: {name} must be > 0")
-        for name in ("compute_eff", "memory_eff", "memory_utilization", "attention_eff"):
+        effs = ("compute_eff", "memory_eff", "memory_utilization", "attention_eff")
+        for name in (*effs, "fused_compute_eff"):
             if getattr(self, name) is not None and not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"hardware {self.name}: {name} must be in (0, 1]")
         if self.fused_decode_max_seqs < 0:
@@ -179,15 +184,16 @@ HARDWARE: dict[str, HardwareProfile] = {
             net_bw=1.0 * GB,
             gpus_per_node=64,
             # `splitserve sim calibrate --repeats 5` on 2026-12-02 00:52 UTC on a quiet machine
-            # (load average < 1.1), the engine's fused decode path on: rms error 5.7%, max
-            # 12% over its 13 step shapes (docs/runs/2026-12-02/cal-before.json,
-            # docs/simulator.md).
+            # (load average < 1.1), the engine's fused decode path on, refitted with the fused
+            # path's own compute efficiency: rms error 3.7%, max 8.4% over its 13 step shapes
+            # (docs/runs/2026-12-02/cal-before-refit.json, docs/simulator.md).
             compute_eff=1.0,
-            memory_eff=0.73,
-            attention_eff=0.31,
-            step_overhead_s=21.1e-3,
-            seq_overhead_s=6.0e-3,
-            multi_row_overhead_s=38.2e-3,
+            memory_eff=0.62,
+            attention_eff=0.32,
+            fused_compute_eff=0.16,
+            step_overhead_s=9.3e-3,
+            seq_overhead_s=4.5e-3,
+            multi_row_overhead_s=54.8e-3,
             fused_decode_max_seqs=4,
             link_latency_s=2e-3,
             net_latency_s=2e-3,
@@ -248,8 +254,9 @@ def load_calibration(hw: HardwareProfile, path: str) -> HardwareProfile:
     values["multi_row_overhead_s"] = float(fit.get("multi_row_overhead_s", 0.0))
     # ... and a file fitted before the engine's fused decode path existed timed the torch path.
     values["fused_decode_max_seqs"] = _count(fit.get("fused_decode_max_seqs", 0), path)
-    attention = fit.get("attention_eff")
-    values["attention_eff"] = float(attention) if isinstance(attention, int | float) else None
+    for key in ("attention_eff", "fused_compute_eff"):  # absent from older files: as compute
+        value = fit.get(key)
+        values[key] = float(value) if isinstance(value, int | float) else None
     if isinstance(fit.get("host_bw"), int | float) and fit["host_bw"] > 0:
         values["host_bw"] = float(fit["host_bw"])  # measured host-tier loads (newer files)
     if isinstance(fit.get("request_overhead_s"), int | float) and fit["request_overhead_s"] >= 0:

@@ -22,7 +22,7 @@ import numpy as np
 from splitserve.sim.cost_model import StepShape
 
 PREFILL_LENS = (32, 128, 256, 512)
-DECODE_BATCHES = (1, 4, 8, 16)
+DECODE_BATCHES = (1, 2, 4, 8, 16)  # 1, 2 and 4 on the fused path, 8 and 16 not
 DECODE_CONTEXT = 128
 # Prefills of (new tokens, cached tokens before them): a later turn over its cached context.
 CONTEXT_PREFILLS = ((32, 512), (128, 512))
