@@ -12,6 +12,10 @@ sources it was built from; ``use_compiled`` (for the benchmarks) refuses a stale
     .venv/bin/python benchmarks/sim_compile.py          # or: make sim-compiled
     .venv/bin/python benchmarks/sim_scale.py --compiled build/sim-compiled
     PYTHONPATH=build/sim-compiled .venv/bin/python -m pytest -q tests/sim
+
+``--pgo`` builds twice, the second time on the profile of a short ``sim_scale.py`` run on the
+first (about 3 minutes against 1); its gain was within this machine's noise, so it is not
+``make sim-compiled``'s default (docs/simulator.md, "## Scale").
 """
 
 from __future__ import annotations
