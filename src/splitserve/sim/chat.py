@@ -46,11 +46,6 @@ def append_message(context: list[int], seg: Segment, chat: bool) -> None:
 def append_reply(context: list[int], output: Iterable[int], chat: bool) -> None:
     """The reply onto ``context``, closed as the next turn's prompt renders it if ``chat``."""
     context.extend(output)
-    close_reply(context, chat)
-
-
-def close_reply(context: list[int], chat: bool) -> None:
-    """Close a reply that ends ``context``, as the next turn's prompt renders it if ``chat``."""
     if chat:
         context.extend(MESSAGE_CLOSE)
 

@@ -31,7 +31,7 @@ from splitserve.engine.scheduler import SchedulerConfig
 from splitserve.engine.sequence import Sequence
 from splitserve.router.policies import RequestInfo
 from splitserve.router.worker import Worker
-from splitserve.sim.chat import append_message, append_prompt, close_reply, rendered
+from splitserve.sim.chat import append_message, append_prompt, append_reply, rendered
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.engine import SimEngine, StepReport
 from splitserve.sim.events import EventQueue
@@ -272,18 +272,13 @@ class Cluster:
     def sequence(
         self, rid: str, req: SimRequest, max_tokens: int, keep_blocks: bool = False
     ) -> Sequence:
-        """A sequence of ``req``'s prompt. The request's own (the one that makes its reply)
-        takes the session's context itself, not a copy: nothing reads or grows the context
-        while the request runs, and the tokens the sequence appends are the reply that
-        ``_finish`` keeps there. A remote prefill's sequence (``keep_blocks``) appends its
-        first token and is dropped, so it takes a copy."""
         params = self._params.get(max_tokens)
         if params is None:
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             self._params[max_tokens] = params
         return Sequence(
             rid,
-            list(req.prompt) if keep_blocks else req.prompt,
+            list(req.prompt),
             params,
             self.root,
             arrival_time=self.now,
@@ -438,8 +433,7 @@ class Cluster:
             return
         if len(output) != len(spec.turns[k].output_ids):  # cut short: the stream leaves the
             self._chains[spec.session_id].ahead = []  # synthetic one hashed ahead
-        # The request's sequence appended the reply to the context already (``sequence``).
-        close_reply(self._contexts[spec.session_id], self._chat(spec))
+        append_reply(self._contexts[spec.session_id], output, self._chat(spec))
         self.events.at(self.now + spec.turns[k + 1].pause_s, self._next_turn, (spec, k + 1))
 
     def _chat(self, spec: SessionSpec) -> bool:
