@@ -12,15 +12,21 @@ sources it was built from; ``use_compiled`` (for the benchmarks) refuses a stale
     .venv/bin/python benchmarks/sim_compile.py          # or: make sim-compiled
     .venv/bin/python benchmarks/sim_scale.py --compiled build/sim-compiled
     PYTHONPATH=build/sim-compiled .venv/bin/python -m pytest -q tests/sim
+
+``--pgo`` builds twice, the second time on the profile of a short ``sim_scale.py`` run on the
+first (about 3 minutes against 1); its gain was within this machine's noise, so it is not
+``make sim-compiled``'s default (docs/simulator.md, "## Scale").
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -65,6 +71,9 @@ MODULES = [
     "splitserve/sim/step_log.py",
 ]
 
+# The profile-guided build's training run (``--pgo``): the benchmark's own setup, small.
+PGO_TRAINING = ["--sessions", "4000", "--block-size", "64"]
+
 
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
@@ -93,24 +102,64 @@ def use_compiled(tree: str) -> None:
     sys.path.insert(0, str(path))
 
 
-def build(out: Path) -> None:
+def build(out: Path, cflags: str = "", opt_level: str = "3", pgo: bool = False) -> None:
+    """Compile ``MODULES`` into ``out``; with ``pgo`` twice, the second on the first's profile.
+
+    ``cflags`` go to the C compiler (and the linker) after Python's own and before mypyc's
+    (so an ``-O`` there is overridden: ``opt_level`` is mypyc's). With ``pgo`` the first build
+    is instrumented (``-fprofile-generate``), a short run of ``sim_scale.py`` on it records
+    where the time goes (``PGO_TRAINING``), and the second build, at the same paths (gcc finds
+    the profile by the object files' paths), is optimised for that (``-fprofile-use``).
+    """
+    if pgo:
+        profile = (out / "pgo-profile").resolve()
+        shutil.rmtree(profile, ignore_errors=True)
+        _compile(out, f"{cflags} -fprofile-generate={profile}", opt_level)
+        t0 = time.perf_counter()
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "sim_scale.py"), *PGO_TRAINING]
+        subprocess.run([*cmd, "--compiled", str(out)], check=True, stdout=subprocess.DEVNULL)
+        print(f"pgo: training run took {time.perf_counter() - t0:.0f} s", flush=True)
+        # -fprofile-partial-training: code the training run never reached stays optimised
+        # as without a profile (not for size), so what it missed runs at the plain speed.
+        use = f"-fprofile-use={profile} -fprofile-correction -fprofile-partial-training"
+        _compile(out, f"{cflags} {use} -Wno-missing-profile", opt_level)
+    else:
+        _compile(out, cflags, opt_level)
+
+
+def _compile(out: Path, cflags: str, opt_level: str) -> None:
     shutil.rmtree(out / "splitserve", ignore_errors=True)
+    shutil.rmtree(out / "build", ignore_errors=True)
+    (out / MANIFEST).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     shutil.copytree(SRC / "splitserve", out / "splitserve")
     # Digests of the copies compiled, not of src/ after the build (it may change meanwhile).
     lines = [f"{digest(out / m)}  {m}" for m in MODULES]
     (out / "mypy.ini").write_text(MYPY_CONFIG)
+    env = dict(os.environ, MYPYC_OPT_LEVEL=opt_level)
+    if cflags.strip():
+        # setuptools takes a CFLAGS in the environment in place of Python's own (-DNDEBUG
+        # -fwrapv -O3 ...), so those go first.
+        base = env.get("CFLAGS", sysconfig.get_config_var("CFLAGS") or "")
+        env["CFLAGS"] = f"{base} {cflags.strip()}"
     cmd = [sys.executable, "-m", "mypyc", "--config-file", "mypy.ini", *MODULES]
-    subprocess.run(cmd, cwd=out, check=True)
+    subprocess.run(cmd, cwd=out, check=True, env=env)
     (out / MANIFEST).write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "build" / "sim-compiled"))
+    ap.add_argument("--opt-level", default="3", choices="0123", help="mypyc's (the C -O level)")
+    ap.add_argument("--cflags", default="", help="more C compiler flags, e.g. -march=native")
+    ap.add_argument(
+        "--pgo",
+        action="store_true",
+        help="profile-guided: build instrumented, run a short simulation, build on its profile",
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
-    build(Path(args.out))
+    build(Path(args.out), args.cflags, args.opt_level, args.pgo)
     print(f"compiled {len(MODULES)} modules into {args.out} in {time.perf_counter() - t0:.0f} s")
 
 
