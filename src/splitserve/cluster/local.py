@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -61,16 +61,19 @@ class WorkerProcess:
             pass
 
 
-def die_with_parent() -> None:
-    """Run in a child before exec (``Popen(preexec_fn=...)``): on Linux it gets SIGTERM when
-    the thread that started it ends, so a killed launcher or test leaves no worker behind;
-    elsewhere nothing."""
-    if sys.platform != "linux":
-        return
+def _sigterm_when_parent_ends() -> None:
     import ctypes
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+# ``Popen(preexec_fn=die_with_parent)``: on Linux the child gets SIGTERM when the thread that
+# started it ends, so a killed launcher or test leaves no worker behind; elsewhere None (no
+# such call, and Windows refuses any preexec_fn).
+die_with_parent: Callable[[], None] | None = (
+    _sigterm_when_parent_ends if sys.platform == "linux" else None
+)
 
 
 def worker_argv(

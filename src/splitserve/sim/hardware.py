@@ -88,8 +88,14 @@ class HardwareProfile:
         for name in ("hbm_bw", "hbm_bytes", "link_bw", "net_bw", "host_bw", "disk_bw"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"hardware {self.name}: {name} must be > 0")
-        effs = ("compute_eff", "memory_eff", "memory_utilization", "attention_eff")
-        for name in (*effs, "fused_compute_eff"):
+        effs = (
+            "compute_eff",
+            "memory_eff",
+            "memory_utilization",
+            "attention_eff",
+            "fused_compute_eff",
+        )
+        for name in effs:
             if getattr(self, name) is not None and not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"hardware {self.name}: {name} must be in (0, 1]")
         if self.fused_decode_max_seqs < 0:
