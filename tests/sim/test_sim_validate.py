@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.bench.metrics import SLO
+from splitserve.bench.metrics import SLO, RequestRecord, summarize
 from splitserve.bench.report import run_dict, write_json
 from splitserve.bench.workloads import RandomConfig
 from splitserve.sim.deployment import Deployment
@@ -108,3 +108,22 @@ def test_speed_from_run_scales_the_steps_to_the_runs_engine_cpu(tmp_path, capsys
     args.host_cores = None
     with pytest.raises(SystemExit, match="needs a bench run with CPU figures and --host-cores"):
         sv.against_bench(args, workload, slo)
+
+
+def test_a_real_run_past_saturation_is_flagged():
+    sv = load_script()
+    runs_dir = Path(__file__).resolve().parents[2] / "docs" / "runs" / "2026-12-02b"
+    slo = SLO.parse("ttft:1000,tpot:250", "jct:40000")
+
+    def real(name: str, deployment: str):
+        run = next(
+            r for r in json.loads((runs_dir / name).read_text()) if r["deployment"] == deployment
+        )
+        records = [RequestRecord(**r) for r in run["requests"]]
+        return summarize(records, run["summary"]["duration_s"], slo)
+
+    assert sv.saturated(real("agentic-w4.json", "collocated-rr")) == "8 requests unfinished"
+    assert sv.saturated(real("agentic-w4-rate0.2.json", "collocated-rr")) == (
+        "32% of requests met the SLOs"
+    )
+    assert sv.saturated(real("agentic-w4-rate0.2.json", "collocated-session-tiers")) is None
