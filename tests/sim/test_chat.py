@@ -6,7 +6,14 @@ import dataclasses
 
 import pytest
 
-from splitserve.bench.workloads import API_COMPLETIONS, Segment, SessionSpec, TurnSpec
+from splitserve.bench.workloads import (
+    API_COMPLETIONS,
+    AgenticConfig,
+    Segment,
+    SessionSpec,
+    TurnSpec,
+)
+from splitserve.sim.chat import append_prompt, append_reply
 from splitserve.sim.cluster import Cluster
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware
@@ -45,10 +52,26 @@ def test_chat_prompts_carry_the_template_tokens_and_reuse_the_cache(chat_templat
     if not chat_template:  # the contents: 120 tokens, then + 8 reply + 40 tool result
         assert got == [(120, 0), (168, 112)]  # 127 computed: 7 full blocks
     else:
-        # Turn 0: two messages of 3 + 2 template tokens each, then the reply's opening (3):
-        # 133. Turn 1 adds the reply (8), its closing (2), the tool message (5 + 40) and the
-        # next opening (3): 191. Turn 0 computed 140 tokens: 8 full blocks are reused.
-        assert got == [(133, 0), (191, 128)]
+        # Turn 0: two messages of 3 + 2 template tokens each, then the reply's opening (4):
+        # 134. Turn 1 adds the reply (8), its closing (2), the tool message (5 + 40) and the
+        # next opening (4): 193. Turn 0 computed 141 tokens: 8 full blocks are reused.
+        assert got == [(134, 0), (193, 128)]
+
+
+def test_chat_prompts_are_as_long_as_the_bundled_models_rendering():
+    """Each turn of an agentic session, rendered by the bundled model's own chat template
+    (as a real worker does with the messages bench sends), against the simulated prompt."""
+    from splitserve.models.loader import default_model_path
+    from splitserve.models.tokenizer import Tokenizer
+
+    path = default_model_path()
+    tok = Tokenizer.from_gguf(path) if path.endswith(".gguf") else Tokenizer.from_hf_dir(path)
+    spec = next(iter(AgenticConfig(min_tool_calls=3, max_tool_calls=3).sessions(1.0)))
+    context: list[int] = []
+    for k, turn in enumerate(spec.turns):
+        append_prompt(context, turn.segments, True)
+        assert len(context) == len(tok.apply_chat_template(spec.messages(k))), k
+        append_reply(context, turn.output_ids, True)
 
 
 def test_completions_sessions_have_no_template():

@@ -5,9 +5,10 @@ With ChatML (SmolLM2, Qwen) each message is ``<|im_start|>{role}\\n{content}<|im
 and the prompt ends with ``<|im_start|>assistant\\n``, which the reply follows and the next
 turn closes. bench's sessions hold only the messages' contents; with
 ``SimConfig(chat_template=True)`` the simulated prompts carry these tokens too (3 before and
-2 after each message, 3 for the assistant's opening), so they are as long as the real ones
-and their blocks fall where the real ones do. The ids stand in for the template's tokens;
-only their number and their being the same in every session matter.
+2 after each message; 4 for the assistant's opening, whose role is two tokens in SmolLM2's
+vocabulary), so they are as long as the bundled model's real ones and their blocks fall where
+the real ones do (``tests/sim/test_chat.py`` renders both). The ids stand in for the
+template's tokens; only their number and their being the same in every session matter.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from collections.abc import Iterable
 from splitserve.bench.workloads import API_CHAT, Segment, SessionSpec
 
 IM_START, IM_END, NEWLINE = 1, 2, 198
-ROLES = {"system": 9690, "user": 4093, "assistant": 520, "tool": 11696}
+ROLES = {"system": (9690,), "user": (4093,), "assistant": (520, 9531), "tool": (11696,)}
 MESSAGE_CLOSE = (IM_END, NEWLINE)
 
 
-def message_open(role: str) -> tuple[int, int, int]:
-    return IM_START, ROLES.get(role, ROLES["user"]), NEWLINE
+def message_open(role: str) -> tuple[int, ...]:
+    return (IM_START, *ROLES.get(role, ROLES["user"]), NEWLINE)
 
 
 def append_prompt(context: list[int], segments: Iterable[Segment], chat: bool) -> None:
