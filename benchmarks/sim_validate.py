@@ -146,6 +146,13 @@ def simulated_system(run: dict) -> tuple[Deployment, dict]:
         settings["block_size"] = a.block_size
     if a.disk_kv_dir is not None:  # the real disk tier needs a directory
         settings["disk_kv_gb"] = a.disk_kv_gb
+    workers = run["summary"].get("info", {}).get("workers")
+    if workers:  # runs since 2026-12-02: the simulated workers take the real ones' names
+        # (collocated, `serve` starts them as decode workers; the simulator's are "both")
+        roles = {"decode": "both"} if not dep.prefill else {}
+        settings["worker_urls"] = tuple(
+            (w["url"], roles.get(w["role"], w["role"])) for w in workers
+        )
     return dep, settings
 
 

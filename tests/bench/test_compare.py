@@ -34,6 +34,10 @@ def test_compare_runs_a_disaggregated_deployment(tmp_path, capsys):
     assert s["server"]["turns_moved"] == s["server"]["turns_moved_fraction"] == 0
     assert s["server"]["router_cpu_seconds"] > 0 and s["server"]["worker_cpu_seconds"] > 0
     assert "--prefill 1 --decode 1" in s["info"]["deployment"]
+    # The router's workers, by URL and role: the simulator names its workers after them.
+    listed = s["info"]["workers"]
+    assert sorted(w["role"] for w in listed) == ["decode", "prefill"]
+    assert all(w["url"].startswith("http://127.0.0.1:") for w in listed)
     assert "goodput req/s" in printed and "(1.00x)" in printed and "turns moved %" in printed
     assert md.read_text().startswith("| deployment | load | goodput req/s")
     assert set(psutil.Process().children(recursive=True)) <= before

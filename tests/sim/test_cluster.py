@@ -361,3 +361,28 @@ def test_shared_openings_leave_a_run_as_it_was(monkeypatch):
     own_cluster, own = run(cfg, DISAGG, AgenticConfig(seed=6), 8.0, 40)
     assert len(shared_cluster._openings) > 1 and not own_cluster._openings
     assert [r.to_dict() for r in shared] == [r.to_dict() for r in own]
+
+
+def test_workers_named_after_real_ones_get_the_sessions_the_real_router_would_give_them():
+    from splitserve.router.policies import RequestInfo
+    from splitserve.router.worker import Worker
+
+    urls = tuple((f"http://127.0.0.1:{port}", "both") for port in (40001, 40117, 51234, 60009))
+    cfg = config(worker_urls=urls)
+    sessions = AgenticConfig(seed=3, min_tool_calls=0, max_tool_calls=0).sessions(0.5)
+    specs = list(itertools.islice(sessions, 12))
+    homes = set()
+    for spec in specs:  # one session at a time, on a fresh cluster: the ring alone places it
+        cluster = Cluster(cfg, Deployment(collocated=4))
+        (record,) = cluster.run(iter([spec]))
+        assert record.ok
+        (served,) = [w for w in cluster.workers if w.steps]
+        # The router's own policy over real workers of the same URLs, as `serve` starts them.
+        policy = cfg.routing_policy("session")
+        real = [Worker(url, "decode") for url, _ in urls]
+        home = policy.select_worker(real, RequestInfo(spec.session_id, "", 100))
+        assert served.router.url == home.url
+        homes.add(home.url)
+    assert len(homes) > 1  # the sessions spread: the names decide, not the order
+    with pytest.raises(ValueError, match="worker_urls name 4 both workers; the deployment has 2"):
+        Cluster(cfg, Deployment(collocated=2))

@@ -15,7 +15,7 @@ import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
@@ -75,7 +75,13 @@ async def run_load(
         records, duration = await _play(client, endpoint, workload, load, progress)
         cpu = time.process_time() - cpu
         after = await scrape(client, targets, endpoint.headers)
-    info = {"workload": workload.describe(), "load": load.describe(), "url": endpoint.url}
+    info: dict[str, Any] = {
+        "workload": workload.describe(),
+        "load": load.describe(),
+        "url": endpoint.url,
+    }
+    if targets.listed:  # the router's workers: the simulator places on the same rings
+        info["workers"] = [{"url": url, "role": role} for url, role in targets.listed]
     server = _server(targets, before, after, cpu)
     summary = summarize(records, duration, slo or SLO(), server, info)
     return RunResult(summary, records)

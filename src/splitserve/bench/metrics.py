@@ -313,6 +313,8 @@ def format_summary(s: Summary, title: str = " Serving Benchmark Result ") -> str
         lines.append(_rule("Errors"))
         lines += [_line(f"{err[:38]}:", n) for err, n in sorted(s.errors.items())]
     for key, value in s.info.items():
+        if key == "workers":  # [{"url": ..., "role": ...}]: the router's workers
+            value = ", ".join(f"{w['url']} ({w['role']})" for w in value)
         lines.append(f"{key}: {value}")
     lines.append("=" * 50)
     return "\n".join(lines)

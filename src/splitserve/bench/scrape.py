@@ -55,6 +55,8 @@ ROUTER_COUNTERS = {
 class Targets:
     workers: tuple[str, ...]
     router: str | None = None
+    # (url, role) of each worker the router listed: where its hash rings place requests
+    listed: tuple[tuple[str, str], ...] = ()
 
 
 async def discover(client: httpx.AsyncClient, endpoint: Endpoint, extra=()) -> Targets:
@@ -64,8 +66,8 @@ async def discover(client: httpx.AsyncClient, endpoint: Endpoint, extra=()) -> T
     except httpx.HTTPError:
         return Targets((endpoint.url, *extra))
     if r.status_code == 200:
-        urls = tuple(w["url"] for w in r.json().get("workers", []))
-        return Targets((*urls, *extra), endpoint.url)
+        listed = tuple((w["url"], w.get("role", "both")) for w in r.json().get("workers", []))
+        return Targets((*(url for url, _ in listed), *extra), endpoint.url, listed)
     if r.status_code in (401, 403):  # a router that will not tell
         return Targets(tuple(extra), endpoint.url)
     return Targets((endpoint.url, *extra))

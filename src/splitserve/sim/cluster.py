@@ -124,6 +124,11 @@ class Cluster:
             self.max_model_len,
             policy=self.config.scheduling_policy,
         )
+        urls = [url for url, r in self.config.worker_urls if r == role]
+        if self.config.worker_urls and len(urls) != count:
+            raise ValueError(
+                f"worker_urls name {len(urls)} {role} workers; the deployment has {count}"
+            )
         out = []
         for i in range(count):
             engine = SimEngine(
@@ -138,7 +143,12 @@ class Cluster:
             )
             name = f"{role}{i}"
             out.append(
-                SimWorker(name, engine, Worker(f"sim://{name}", role), (first + i) // per_node)
+                SimWorker(
+                    name,
+                    engine,
+                    Worker(urls[i] if urls else f"sim://{name}", role),
+                    (first + i) // per_node,
+                )
             )
         return out
 

@@ -77,6 +77,11 @@ class SimConfig:
     chat_template: bool = False  # chat-API sessions' prompts carry ChatML's tokens (sim/chat.py)
     exact: bool = False  # every step through the real schedule()/update() (slow; for tests)
     record_itl: bool = False  # every request's inter-token gaps (memory grows with tokens)
+    # (url, role) of real workers to name the simulated ones after, in each role's order
+    # (a real run's, from bench's ``info["workers"]``): the routers' hash rings are over
+    # worker names, so the same names place every session where the real router did.
+    # Empty: ``sim://prefill0``, ``sim://decode0``, ...
+    worker_urls: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("policy", "prefill_policy"):
