@@ -64,8 +64,7 @@ def test_chat_prompts_are_as_long_as_the_bundled_models_rendering():
     from splitserve.models.loader import default_model_path
     from splitserve.models.tokenizer import Tokenizer
 
-    path = default_model_path()
-    tok = Tokenizer.from_gguf(path) if path.endswith(".gguf") else Tokenizer.from_hf_dir(path)
+    tok = Tokenizer.from_gguf(default_model_path())  # the bundled model is one GGUF file
     spec = next(iter(AgenticConfig(min_tool_calls=3, max_tool_calls=3).sessions(1.0)))
     context: list[int] = []
     for k, turn in enumerate(spec.turns):
