@@ -11,6 +11,12 @@
 # sessions/s overloads them, and overloaded runs do not repeat (docs/simulator.md, "A slower
 # machine").
 #
+# Every worker of both compares logs its engine steps under OUT/steps/{agentic,random}/; at the
+# end the runs' own steps are fitted too (`sim calibrate --from-steps`, the peaks and serving
+# figures of cal-before.json): cal-steps-random.json from the random compare's workers (a
+# calibration the agentic runs played no part in), cal-steps-agentic-collocated-rr.json from the
+# agentic round-robin run's, cal-steps-agentic.json from all three agentic runs'.
+#
 # then, for each compare and each calibration (see docs/simulator.md):
 #   .venv/bin/python benchmarks/sim_validate.py --calibration OUT/cal-before.json \
 #       --bench-json OUT/agentic-w4.json $AGENTIC --host-cores 2 --jitter 2 [--speed-from-run]
@@ -35,11 +41,11 @@ stamp agentic compare, four one-thread workers on two cores
 $SS bench compare --deployments collocated-rr,collocated-session-tiers,collocated-session-tiers-peer \
   --cores 4 --threads-per-worker 1 "${AGENTIC[@]}" --rate "$RATE" --duration 120 --drain 60 \
   --serve-arg=--kv-cache-gb --serve-arg=0.06 --serve-arg=--load-floor --serve-arg=3 \
-  --json "$OUT/agentic-w4.json"
+  --step-logs "$OUT/steps/agentic" --json "$OUT/agentic-w4.json"
 stamp collocated vs disaggregated compare
 $SS bench compare --workload random --input-len 128 --output-len 16 --rate 0.5 \
   --duration 60 --drain 120 --deployments collocated-rr,disagg-session \
-  --slo ttft:1000,tpot:100 --json "$OUT/random-pd.json"
+  --slo ttft:1000,tpot:100 --step-logs "$OUT/steps/random" --json "$OUT/random-pd.json"
 stamp calibrate again
 $SS sim calibrate --repeats 5 --out "$OUT/cal-after.json"
 # The serving figures were measured once, before: the second calibration carries them too.
@@ -51,4 +57,9 @@ keys = ("serving_cpu_per_request_s", "serving_cpu_per_token_s", "kv_copy_cpu_per
 after["fit"].update({k: before["fit"][k] for k in keys if k in before["fit"]})
 json.dump(after, open(sys.argv[2], "w"), indent=1)
 EOF
+stamp fits of the runs own steps
+for name in random agentic agentic/collocated-rr; do
+  $SS sim calibrate --from-steps "$OUT/steps/$name" --base "$OUT/cal-before.json" \
+    --out "$OUT/cal-steps-${name//\//-}.json" | tail -12
+done
 stamp done

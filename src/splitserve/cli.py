@@ -122,6 +122,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         log_level=args.log_level,
         disagg=disagg,
+        step_log_dir=args.step_log_dir,
     )
     return 0
 
@@ -162,6 +163,7 @@ def serve_worker_args(args: argparse.Namespace) -> list[str]:
         ("--max-num-seqs", args.max_num_seqs),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
         ("--max-waiting", args.max_waiting),
+        ("--step-log-dir", args.step_log_dir),
     ):
         if value is not None:
             worker_args += [flag, str(value)]
@@ -199,6 +201,13 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="answer 429 when this many requests are already waiting",
+    )
+    p.add_argument(
+        "--step-log-dir",
+        default=None,
+        metavar="DIR",
+        help="log every engine step's shape and model time to DIR/<role>-<port>.jsonl "
+        "(what `splitserve sim calibrate --from-steps` fits)",
     )
 
 

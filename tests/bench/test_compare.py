@@ -21,7 +21,8 @@ def test_compare_runs_a_disaggregated_deployment(tmp_path, capsys):
     md, out = tmp_path / "table.md", tmp_path / "runs.json"
     argv = ["bench", "compare", "--deployments", "disagg", "--cores", "2", *TINY_AGENTIC]
     before = set(psutil.Process().children(recursive=True))  # other tests' session fixtures
-    assert main([*argv, "--markdown", str(md), "--json", str(out)]) == 0
+    steps = tmp_path / "steps"
+    assert main([*argv, "--markdown", str(md), "--json", str(out), "--step-logs", str(steps)]) == 0
     printed = capsys.readouterr().out
     (run,) = json.loads(out.read_text())
     s = run["summary"]
@@ -38,6 +39,16 @@ def test_compare_runs_a_disaggregated_deployment(tmp_path, capsys):
     listed = s["info"]["workers"]
     assert sorted(w["role"] for w in listed) == ["decode", "prefill"]
     assert all(w["url"].startswith("http://127.0.0.1:") for w in listed)
+    # --step-logs: every worker logged its steps, under the deployment's name, as
+    # <role>-<port>.jsonl; `sim calibrate --from-steps` fits them.
+    logs = sorted(p.name for p in (steps / "disagg").iterdir())
+    assert logs == sorted(f"{w['role']}-{w['url'].rsplit(':', 1)[1]}.jsonl" for w in listed)
+    for name in logs:
+        lines = (steps / "disagg" / name).read_text().splitlines()
+        assert json.loads(lines[0])["engine"]["role"] == name.split("-")[0] and len(lines) > 1
+    cal = tmp_path / "from-run.json"
+    assert main(["sim", "calibrate", "--from-steps", str(steps), "--out", str(cal)]) == 0
+    assert json.loads(cal.read_text())["fit"]["peak_flops_fp32"] > 1e9  # measured here
     assert "goodput req/s" in printed and "(1.00x)" in printed and "turns moved %" in printed
     assert md.read_text().startswith("| deployment | load | goodput req/s")
     assert set(psutil.Process().children(recursive=True)) <= before

@@ -9,6 +9,7 @@ import pytest
 
 from splitserve.cli import main
 from splitserve.engine.model_runner import FUSED_DECODE_MAX_SEQS
+from splitserve.engine.step_log import fused_decode_max_seqs
 from splitserve.sim.calibrate import (
     cost_model_of,
     fit,
@@ -23,10 +24,12 @@ from splitserve.sim.step_timing import (
     build_engine,
     busy_neighbour,
     co_run_slowdown,
-    fused_decode_max_seqs,
     measure,
     measure_co_run,
     measure_host_load,
+    measure_peaks,
+    read_step_logs,
+    run_samples,
 )
 
 
@@ -265,3 +268,148 @@ def test_the_second_process_stops_however_the_block_ends():
     with pytest.raises(KeyError), busy_neighbour(threads=1, target=_idle):
         raise KeyError("boom")
     assert multiprocessing.active_children() == []
+
+
+def test_a_machine_faster_than_the_nominal_peak_is_fitted_against_its_measured_peaks():
+    # A machine with twice cpu-local's nominal peaks, the engine at 0.7 of its compute peak:
+    # 1.4x the nominal one. Against the nominal peaks the compute efficiency would have to
+    # pass 1, where the grid ends, and the fit is poor; against the measured ones it is
+    # recovered.
+    hw = get_hardware("cpu-local")
+    peaks = (2 * hw.peak_flops["fp32"], 2 * hw.hbm_bw)
+    truth = {**TRUTH, "compute_eff": 0.7, "attention_eff": 0.45, "fused_decode_max_seqs": 4}
+    times = synthetic({**truth, "peak_flops_fp32": peaks[0], "mem_bw": peaks[1]})
+    got = fit(times, peak_cost_model(4, peaks))
+    assert_recovered(got, truth)
+    assert (got["peak_flops_fp32"], got["mem_bw"]) == peaks  # stored with the fit
+    nominal = fit(times, peak_cost_model(4))
+    assert nominal["compute_eff"] == 1.0 and nominal["rms_rel_error"] > 0.05
+    # The stored peaks travel with the fit: it predicts the times it was fitted to.
+    model = cost_model_of(got)
+    for s in times:
+        assert model.step_time(s.shape) == pytest.approx(s.seconds, rel=0.03)
+
+
+def test_a_calibration_files_peaks_set_the_profiles(tmp_path):
+    path = tmp_path / "cal.json"
+    fitted = {"compute_eff": 0.3, "memory_eff": 0.4, "step_overhead_s": 0.01, "seq_overhead_s": 0.0}
+    path.write_text(json.dumps({"fit": {**fitted, "peak_flops_fp32": 150e9, "mem_bw": 30e9}}))
+    hw = load_calibration(get_hardware("cpu-local"), str(path))
+    assert (hw.peak_flops["fp32"], hw.hbm_bw) == (150e9, 30e9)
+    path.write_text(json.dumps({"fit": fitted}))  # an older file: the nominal peaks
+    hw = load_calibration(get_hardware("cpu-local"), str(path))
+    assert hw.peak_flops == get_hardware("cpu-local").peak_flops
+
+
+def test_this_machines_peaks_are_measured():
+    flops, mem_bw = measure_peaks(threads=1, repeats=1)
+    # Some GFLOP/s at one thread, some GB/s copying (a copy reads and writes); far below
+    # what any one core reaches (a TFLOP/s, 1 TB/s).
+    assert 1e9 < flops < 1e12 and 1e9 < mem_bw < 1e12
+
+
+def _run_steps(truth: dict[str, float], repeats: int = 5) -> list[dict]:
+    """Step-log lines of a serving run on an engine with ``truth``'s factors: decode steps of
+    1-8 sequences over growing contexts, later turns' prefills after a cached context, and
+    prefills beside decodes; each kind of step ``repeats`` times, its times spread +-4%."""
+    cost = cost_model_of(truth)
+    shapes = []
+    for b in (1, 2, 3, 4, 6, 8):
+        for context in (200, 450, 900):
+            shapes.append(StepShape(b, b, b * (context + 1), b * (context + 1), b))
+    for n, cached in ((40, 0), (90, 300), (200, 600), (350, 0), (60, 800)):
+        shapes.append(StepShape(n, 1, n * cached + n * (n + 1) / 2, cached + n, 1))
+    for n, b in ((48, 1), (100, 3), (70, 5)):
+        ctx = 500
+        shapes.append(StepShape(n + b, b + 1, n * (n + 1) / 2 + b * ctx, n + b * ctx, b + 1))
+    rows = []
+    for i in range(repeats):
+        spread = 1 + 0.04 * (2 * i / (repeats - 1) - 1)  # -4% .. +4%, the middle one exact
+        for shape in shapes:
+            seconds = cost.step_time(shape) * spread
+            rows.append(
+                {
+                    "tokens": shape.tokens,
+                    "sampled": shape.sampled,
+                    "attended": shape.attended,
+                    "kv_read": shape.kv_read,
+                    "seqs": shape.chunks,
+                    "seconds": 1.7 * seconds,  # wall: waiting for a core as well
+                    "cpu_seconds": seconds,
+                    "t": 1e9 + i,
+                }
+            )
+    return rows
+
+
+def _write_log(path, rows: list[dict], fused: int = 4, threads: int = 1) -> None:
+    engine = {"threads": threads, "fused_decode_max_seqs": fused, "role": "both"}
+    lines = [{"engine": engine}, *rows]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_a_serving_runs_step_logs_are_fitted(tmp_path, capsys):
+    # Two workers' logs of one run (each holds half the steps): the fit recovers the engine's
+    # factors from the steps' thread CPU times, against the peaks of a base calibration, and
+    # keeps that file's measured figures.
+    truth = {**TRUTH, "fused_decode_max_seqs": 4, "fused_compute_eff": 0.15}
+    rows = _run_steps(truth)
+    logs = tmp_path / "run" / "collocated-rr"
+    logs.mkdir(parents=True)
+    _write_log(logs / "both-1.jsonl", rows[::2])
+    _write_log(logs / "both-2.jsonl", rows[1::2])
+    samples, fused = read_step_logs([str(tmp_path / "run")])
+    assert fused == 4
+    assert len(samples) == len(rows) // 5  # one per kind of step: its median, the exact one
+    got = fit(samples, peak_cost_model(4))
+    assert_recovered(got, truth)
+    assert got["fused_compute_eff"] == pytest.approx(0.15, abs=0.011)
+    base = tmp_path / "base.json"
+    measured = {"host_bw": 2.5e9, "serving_cpu_per_token_s": 0.0013}
+    write_calibration(str(base), {**fit(synthetic(truth), peak_cost_model(4)), **measured}, [])
+    out = tmp_path / "from-run.json"
+    argv = ["sim", "calibrate", "--from-steps", str(tmp_path / "run"), "--base", str(base)]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert "rms_rel_error" in capsys.readouterr().out
+    stored = json.loads(out.read_text())["fit"]
+    assert {k: stored[k] for k in got} == got
+    assert {k: stored[k] for k in measured} == measured
+    # Wall times instead (a core's wait included) are other figures: slower steps.
+    samples, _ = read_step_logs([str(logs / "both-1.jsonl")], step_time="wall")
+    wall = fit(samples, peak_cost_model(4))
+    assert cost_model_of(wall).step_time(samples[0].shape) == pytest.approx(
+        1.7 * cost_model_of(got).step_time(samples[0].shape), rel=0.05
+    )
+
+
+def test_run_samples_group_steps_by_kind_and_take_the_median():
+    def decode(b: int, context: int, seconds: float) -> Sample:
+        return Sample(StepShape(b, b, b * context, b * context, b), seconds)
+
+    steps = [decode(2, 300, t) for t in (0.03, 0.01, 0.02)]  # one kind: median 0.02
+    steps += [decode(2, 310, 0.5)]  # the same 128-token context bin: the same kind
+    steps += [decode(2, 700, 0.04), decode(3, 300, 0.05)]  # other contexts, other batches
+    steps += [Sample(StepShape(66, 3, 0.0, 66 + 600, 3), 0.2)]  # 63 tokens over one each
+    got = run_samples(steps)
+    assert sorted(s.seconds for s in got) == [0.02, 0.04, 0.05, 0.2]
+
+
+def test_step_logs_that_cannot_be_fitted_are_clear_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="no step logs"):
+        read_step_logs([str(tmp_path)])
+    rows = _run_steps(TRUTH, repeats=2)
+    _write_log(tmp_path / "a.jsonl", rows, threads=2)
+    with pytest.raises(SystemExit, match="--step-time wall"):
+        read_step_logs([str(tmp_path / "a.jsonl")])
+    assert read_step_logs([str(tmp_path / "a.jsonl")], step_time="wall")[1] == 4
+    _write_log(tmp_path / "a.jsonl", rows, fused=4)
+    _write_log(tmp_path / "b.jsonl", rows, fused=0)
+    with pytest.raises(SystemExit, match="fused decode limits"):
+        read_step_logs([str(tmp_path)])
+    (tmp_path / "b.jsonl").write_text(
+        '{"engine": {"threads": 1, "fused_decode_max_seqs": 4}}\n{"tokens": 3}\n'
+    )
+    with pytest.raises(SystemExit, match="cannot read step log"):
+        read_step_logs([str(tmp_path)])
+    assert main(["sim", "calibrate", "--refit", "x.json", "--from-steps", str(tmp_path)]) == 2
+    assert "two sources" in capsys.readouterr().err

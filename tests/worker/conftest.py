@@ -22,6 +22,7 @@ class Worker:
     api_key: str
     model: str
     proc: subprocess.Popen
+    step_log: str  # the engine's step log (``--step-log-dir``)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -32,8 +33,9 @@ class Worker:
 
 
 @pytest.fixture(scope="session")
-def worker() -> Worker:
+def worker(tmp_path_factory) -> Worker:
     port = free_port()
+    step_logs = tmp_path_factory.mktemp("step-logs")
     argv = [
         sys.executable,
         "-m",
@@ -49,6 +51,8 @@ def worker() -> Worker:
         str(MAX_MODEL_LEN),
         "--log-level",
         "warning",
+        "--step-log-dir",
+        str(step_logs),
     ]
     env = {**os.environ, "SPLITSERVE_API_KEY": API_KEY}
     proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
@@ -56,7 +60,8 @@ def worker() -> Worker:
     try:
         wait_healthy(url, proc)
         models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
-        yield Worker(url, API_KEY, models.json()["data"][0]["id"], proc)
+        model = models.json()["data"][0]["id"]
+        yield Worker(url, API_KEY, model, proc, str(step_logs / f"both-{port}.jsonl"))
     finally:
         stop_group(proc)
 

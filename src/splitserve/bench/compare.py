@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import secrets
 import sys
 import threading
@@ -119,6 +120,13 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
         help="run the deployments N times, interleaved, and add a table of their means",
     )
     g.add_argument("--ready-timeout", type=float, default=300.0)
+    g.add_argument(
+        "--step-logs",
+        default=None,
+        metavar="DIR",
+        help="every worker logs its engine steps under DIR/<deployment>/ "
+        "(for `splitserve sim calibrate --from-steps`)",
+    )
 
 
 def parse_deployments(text: str) -> list[Deployment]:
@@ -177,7 +185,10 @@ def compare(args: argparse.Namespace, workload, loads: list[Load], slo: SLO) -> 
 def _sweep_one(args, dep: Deployment, workers: int, workload, loads: list[Load], slo: SLO):
     port, key = free_port(), secrets.token_hex(16)
     url = f"http://127.0.0.1:{port}"
-    argv = serve_argv(dep, workers, args.threads_per_worker, port, args.serve_arg)
+    extra = list(args.serve_arg)
+    if args.step_logs:
+        extra += ["--step-log-dir", os.path.join(args.step_logs, dep.name)]
+    argv = serve_argv(dep, workers, args.threads_per_worker, port, extra)
     out = []
     with Running(dep, argv, url, key, args.ready_timeout):
         for i, load in enumerate(loads):

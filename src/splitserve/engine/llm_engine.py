@@ -19,7 +19,10 @@ from splitserve.engine.tiering import RetentionConfig, Tiering
 from splitserve.kvstore.ladder import Ladder, build_ladder
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from splitserve.engine.kv_mover import KVMover
+    from splitserve.engine.plan import StepPlan
 
 # With nothing to run but a load in flight, the engine sleeps at most this long before
 # checking for new requests again (a finished load wakes it at once).
@@ -78,6 +81,8 @@ class LLMEngine:
         )
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self._requests: dict[str, _Request] = {}
+        # Called after every model run with (plan, wall s, thread CPU s): engine/step_log.py.
+        self.step_log: Callable[[StepPlan, float, float], None] | None = None
         # Guards every piece of engine state but the model runner's own. ``step`` holds it
         # except while the model runs, so another thread that takes it (a peer's KV lease,
         # a KV import) waits for bookkeeping between two model runs, never for a model run.
@@ -254,7 +259,12 @@ class LLMEngine:
         # Without the lock: the plan's blocks are referenced by its sequences, so whatever
         # another thread does meanwhile (take refs, reserve or publish free blocks) leaves
         # them alone, and nothing else the model run reads changes.
-        result = self.runner.execute(plan)
+        if self.step_log is None:
+            result = self.runner.execute(plan)
+        else:
+            start, cpu = time.perf_counter(), time.thread_time()
+            result = self.runner.execute(plan)
+            self.step_log(plan, time.perf_counter() - start, time.thread_time() - cpu)
         with self.lock:
             updates = self.scheduler.update(plan, result)
             self._start_copies()

@@ -33,6 +33,7 @@ import os
 
 import numpy as np
 
+from splitserve.engine.step_log import fused_decode_max_seqs
 from splitserve.sim.cost_model import CostModel, StepShape
 from splitserve.sim.hardware import get_hardware
 from splitserve.sim.models import get_model
@@ -41,11 +42,12 @@ from splitserve.sim.step_timing import (
     Sample,
     build_engine,
     co_run_slowdown,
-    fused_decode_max_seqs,
     measure,
     measure_co_run,
     measure_host_load,
+    measure_peaks,
     medians,
+    read_step_logs,
 )
 
 
@@ -58,6 +60,30 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
         "--co-run",
         action="store_true",
         help="time the grid again while a second engine computes (co_run_slowdown)",
+    )
+    p.add_argument(
+        "--from-steps",
+        default=None,
+        nargs="+",
+        metavar="LOG",
+        help="fit the engine steps real workers logged while serving (files, or directories "
+        "of *.jsonl, from `splitserve worker --step-log-dir` or `bench compare --step-logs`); "
+        "measures only this machine's peaks, unless --base gives them",
+    )
+    p.add_argument(
+        "--step-time",
+        default="cpu",
+        choices=["cpu", "wall"],
+        help="with --from-steps: a step's time is the engine thread's CPU over its model run "
+        "(default; one-thread workers: their share of the cores is the simulator's to model) "
+        "or its wall time",
+    )
+    p.add_argument(
+        "--base",
+        default=None,
+        metavar="FILE",
+        help="with --from-steps: a `sim calibrate --out` file whose peaks, host-tier bandwidth "
+        "and serving figures the new fit keeps",
     )
     p.add_argument(
         "--refit",
@@ -95,6 +121,9 @@ def fit(samples: list[Sample], cost: CostModel) -> dict[str, float]:
         "max_rel_error": float(np.max(np.abs(rel))),
         "rms_rel_error": float(np.sqrt(np.mean(rel**2))),
         "fused_decode_max_seqs": cost.hw.fused_decode_max_seqs,
+        # What the efficiencies are fractions of (measured by the calibration, or nominal).
+        "peak_flops_fp32": cost.hw.peak_flops["fp32"],
+        "mem_bw": cost.hw.hbm_bw,
     }
     if terms.fused.any():
         result["fused_compute_eff"] = float(fe)
@@ -136,8 +165,14 @@ class _Terms:
         """The (compute, memory, attention, fused compute) efficiencies on the grid ``axes``
         spans with the smallest squared relative error."""
         grid = [g.ravel() for g in np.meshgrid(*axes, indexing="ij")]
-        _, rel = self.overheads(self.roofs(*grid))
-        i = int(np.argmin(np.sum(rel**2, axis=0)))
+        # In slices of the grid: a serving run's few hundred kinds of step over the whole
+        # grid would not fit in memory at once.
+        size = max(1, 2_000_000 // len(self.t))
+        errors = []
+        for lo in range(0, len(grid[0]), size):
+            _, rel = self.overheads(self.roofs(*(g[lo : lo + size] for g in grid)))
+            errors.append(np.sum(rel**2, axis=0))
+        i = int(np.argmin(np.concatenate(errors)))
         ce, me, ae, fe = (float(g[i]) for g in grid)
         return ce, me, ae, fe
 
@@ -165,10 +200,13 @@ def _nonnegative_fits(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndar
     return best_coef, best_err
 
 
-def peak_cost_model(fused_decode_max_seqs: int | None = None) -> CostModel:
+def peak_cost_model(
+    fused_decode_max_seqs: int | None = None, peaks: tuple[float, float] | None = None
+) -> CostModel:
     """The bundled model on cpu-local at 100% efficiency and no overhead: what ``fit`` scales
-    (``fused_decode_max_seqs``: the measured engine's, default cpu-local's)."""
-    hw = get_hardware("cpu-local")
+    (``fused_decode_max_seqs``: the measured engine's, default cpu-local's; ``peaks``: this
+    machine's measured (fp32 FLOP/s, memory bytes/s), default cpu-local's nominal ones)."""
+    hw = with_peaks(get_hardware("cpu-local"), peaks)
     hw = hw.with_fit(
         compute_eff=1.0,
         memory_eff=1.0,
@@ -191,18 +229,31 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"--co-run times two engines of --threads {args.threads} at once, which needs "
             f"{2 * args.threads} cores; this machine has {cores}"
         )
+    if args.refit and args.from_steps:
+        raise ValueError("--refit and --from-steps are two sources of samples: give one")
+    if args.base and not args.from_steps:
+        raise ValueError("--base goes with --from-steps")
     co_run: list[Sample] = []
     elsewhere: dict[str, float] = {}
     if args.refit:
         samples, host_bw, co_run, fused_max, elsewhere = read_files(args.refit)
+        peaks = files_peaks(args.refit)
+    elif args.from_steps:
+        samples, fused_max = read_step_logs(args.from_steps, args.step_time)
+        host_bw, peaks = None, None
+        if args.base:
+            host_bw, elsewhere, peaks = base_figures(args.base)
+        if peaks is None:
+            peaks = measure_peaks(args.threads)
     else:
         engine = build_engine(args.model_path, args.threads)
         fused_max = fused_decode_max_seqs(engine)
+        peaks = measure_peaks(args.threads)
         samples = measure(args.model_path, args.threads, args.repeats, engine=engine)
         host_bw = measure_host_load(engine, repeats=args.repeats)
         if args.co_run:
             co_run = measure_co_run(engine, args.threads, args.repeats)
-    cost = peak_cost_model(fused_max)
+    cost = peak_cost_model(fused_max, peaks)
     result = fit(samples, cost)
     if host_bw is not None:
         result["host_bw"] = host_bw
@@ -221,10 +272,55 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def with_peaks(hw, peaks: tuple[float, float] | None):
+    """``hw`` with a measured fp32 peak and memory bandwidth (None: as it is)."""
+    if peaks is None:
+        return hw
+    flops, mem_bw = peaks
+    return hw.with_fit(peak_flops={**hw.peak_flops, "fp32": flops}, hbm_bw=mem_bw)
+
+
+def base_figures(path: str) -> tuple[float | None, dict[str, float], tuple[float, float] | None]:
+    """What a fit of a run's steps keeps from a grid calibration (``--base``): its measured
+    host-tier bandwidth, the figures measured elsewhere (serving CPU; ``co_run_slowdown``)
+    and its peaks."""
+    try:
+        with open(path) as f:
+            fit_values = json.load(f)["fit"]
+        host_bw = fit_values.get("host_bw")
+        host_bw = float(host_bw) if isinstance(host_bw, int | float) and host_bw > 0 else None
+        elsewhere = measured_elsewhere(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SystemExit(f"cannot read calibration file {path}: {e!r}") from None
+    if isinstance(fit_values.get("co_run_slowdown"), int | float):
+        elsewhere["co_run_slowdown"] = float(fit_values["co_run_slowdown"])
+    return host_bw, elsewhere, stored_peaks(fit_values)
+
+
+def files_peaks(paths: list[str]) -> tuple[float, float] | None:
+    """The mean of the peaks calibration files were fitted against (None: none stored)."""
+    found = []
+    for path in paths:
+        with open(path) as f:
+            peaks = stored_peaks(json.load(f).get("fit", {}))
+        if peaks is not None:
+            found.append(peaks)
+    if not found:
+        return None
+    return (float(np.mean([p[0] for p in found])), float(np.mean([p[1] for p in found])))
+
+
+def stored_peaks(fit_values: dict) -> tuple[float, float] | None:
+    """The peaks a fit was made against (None: a file from before they were measured)."""
+    flops, mem_bw = fit_values.get("peak_flops_fp32"), fit_values.get("mem_bw")
+    ok = all(isinstance(v, int | float) and v > 0 for v in (flops, mem_bw))
+    return (float(flops), float(mem_bw)) if ok else None
+
+
 def cost_model_of(result: dict[str, float]) -> CostModel:
     """The bundled model on cpu-local with a fit's factors."""
     keys = ("compute_eff", "memory_eff", "attention_eff", *OVERHEADS)
-    hw = get_hardware("cpu-local").with_fit(
+    hw = with_peaks(get_hardware("cpu-local"), stored_peaks(result)).with_fit(
         **{k: result[k] for k in keys},
         fused_decode_max_seqs=int(result.get("fused_decode_max_seqs", 0)),
         fused_compute_eff=result.get("fused_compute_eff"),

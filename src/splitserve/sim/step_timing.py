@@ -11,14 +11,19 @@ real KV mover loading blocks from a host-RAM tier.
 from __future__ import annotations
 
 import contextlib
+import glob
 import itertools
+import json
+import math
 import multiprocessing
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
+from splitserve.engine.step_log import plan_stats
 from splitserve.sim.cost_model import StepShape
 
 PREFILL_LENS = (32, 128, 256, 512)
@@ -46,13 +51,6 @@ def build_engine(model_path: str | None, threads: int):
     from splitserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=model_path, threads=threads))
-
-
-def fused_decode_max_seqs(engine) -> int:
-    """The most sequences a decode-only step of ``engine`` runs on its fused path (0: off)."""
-    from splitserve.engine.model_runner import FUSED_DECODE_MAX_SEQS
-
-    return FUSED_DECODE_MAX_SEQS if engine.runner.fused is not None else 0
 
 
 def measure(
@@ -209,13 +207,7 @@ def measure_host_load(engine, blocks: int = 128, repeats: int = 3) -> float:
 
 
 def _shape(plan) -> StepShape:
-    tokens = sum(c.num_tokens for c in plan.chunks)
-    attended = sum(
-        c.num_tokens * c.start_pos + c.num_tokens * (c.num_tokens + 1) / 2 for c in plan.chunks
-    )
-    kv_read = sum(c.context_len for c in plan.chunks)
-    sampled = sum(c.sample for c in plan.chunks)
-    return StepShape(tokens, sampled, attended, kv_read, len(plan.chunks))
+    return StepShape(*plan_stats(plan))
 
 
 def medians(samples: list[Sample]) -> list[Sample]:
@@ -227,3 +219,109 @@ def medians(samples: list[Sample]) -> list[Sample]:
         before = (s.shape.kv_read - s.shape.tokens) // s.shape.chunks
         by_step.setdefault((s.shape.tokens, s.shape.chunks, before // 16), []).append(s)
     return [Sample(g[0].shape, float(np.median([s.seconds for s in g]))) for g in by_step.values()]
+
+
+def measure_peaks(threads: int, repeats: int = 5) -> tuple[float, float]:
+    """This machine's fp32 GEMM FLOP/s at ``threads`` threads (square 1024 products) and its
+    memory bandwidth (bytes read plus written per second copying 256 MiB): the best of
+    ``repeats``. The fit's efficiencies are fractions of these, so that a faster machine than
+    ``cpu-local``'s nominal one does not push them past 1."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n, products = 1024, 8
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        src, dst = torch.ones(64 * 2**20), torch.empty(64 * 2**20)
+        flops, copy = [], []
+        for _ in range(repeats + 1):  # the first of each warms up
+            start = time.perf_counter()
+            for _ in range(products):
+                torch.mm(a, b)
+            flops.append(products * 2 * n**3 / (time.perf_counter() - start))
+            start = time.perf_counter()
+            dst.copy_(src)
+            copy.append(2 * src.numel() * 4 / (time.perf_counter() - start))
+        return max(flops[1:]), max(copy[1:])
+    finally:
+        torch.set_num_threads(before)
+
+
+def read_step_logs(paths: list[str], step_time: str = "cpu") -> tuple[list[Sample], int]:
+    """The steps of workers' step logs (``engine/step_log.py``; a directory stands for the
+    ``*.jsonl`` files in it and its subdirectories) as one sample per kind of step
+    (``run_samples``), and their engines' fused decode limit, which must agree. ``step_time``
+    "cpu" takes the engine thread's CPU time over the model run, which holds the whole run
+    only on a one-thread engine."""
+    files: list[str] = []
+    for path in paths:
+        if os.path.isdir(path):
+            files += sorted(glob.glob(os.path.join(path, "**", "*.jsonl"), recursive=True))
+        else:
+            files.append(path)
+    if not files:
+        raise SystemExit(f"no step logs (*.jsonl) in {', '.join(paths)}")
+    key = "cpu_seconds" if step_time == "cpu" else "seconds"
+    steps: list[Sample] = []
+    limits: set[int] = set()
+    for path in files:
+        try:
+            with open(path) as f:
+                for line in f:
+                    if not line.strip():
+                        continue
+                    row = json.loads(line)
+                    if "engine" in row:
+                        engine = row["engine"]
+                        limits.add(int(engine["fused_decode_max_seqs"]))
+                        if step_time == "cpu" and engine["threads"] != 1:
+                            raise SystemExit(
+                                f"{path}: an engine of {engine['threads']} threads; the engine "
+                                "thread's CPU time misses the others' (use --step-time wall)"
+                            )
+                        continue
+                    seconds = float(row[key])
+                    if seconds > 0:
+                        steps.append(Sample(_row_shape(row), seconds))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"cannot read step log {path}: {e!r}") from None
+    if not steps:
+        raise SystemExit(f"no steps in {', '.join(files)}")
+    if len(limits) != 1:
+        raise SystemExit(
+            f"step logs from engines with fused decode limits {sorted(limits)}: one kind of "
+            "engine per fit"
+        )
+    return run_samples(steps), limits.pop()
+
+
+def _row_shape(row: dict) -> StepShape:
+    shape = StepShape(
+        int(row["tokens"]),
+        int(row["sampled"]),
+        float(row["attended"]),
+        int(row["kv_read"]),
+        int(row["seqs"]),
+    )
+    if shape.tokens < shape.chunks or shape.chunks < 1:
+        raise ValueError(f"a step of {shape.tokens} tokens over {shape.chunks} sequences")
+    return shape
+
+
+def run_samples(steps: list[Sample]) -> list[Sample]:
+    """A serving run's steps grouped by kind: the sequences in the step, its tokens beyond
+    one per sequence (in half-octaves), and its mean context per sequence (in 128-token
+    bins). Each kind is the step of median time among its own (a real shape and time); a run
+    holds thousands of steps of a few hundred kinds, and the fit weighs kinds, not counts."""
+    groups: dict[tuple[int, int, int], list[Sample]] = {}
+    for s in steps:
+        extra = s.shape.tokens - s.shape.chunks
+        band = 0 if extra <= 0 else 1 + round(2 * math.log2(extra))
+        context = (s.shape.kv_read - s.shape.tokens) // s.shape.chunks
+        groups.setdefault((s.shape.chunks, band, context // 128), []).append(s)
+    out = []
+    for group in groups.values():
+        group.sort(key=lambda s: s.seconds)
+        out.append(group[(len(group) - 1) // 2])
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import uvicorn
 
@@ -23,10 +24,12 @@ def run_worker(
     served_model_name: str | None = None,
     log_level: str = "info",
     disagg: DisaggConfig | None = None,
+    step_log_dir: str | None = None,
 ) -> None:
     """Load the model (the port opens only once it is ready), then serve until stopped.
 
-    ``disagg`` carries the worker's role and KV-transfer settings (default: collocated)."""
+    ``disagg`` carries the worker's role and KV-transfer settings (default: collocated);
+    ``step_log_dir``, where to log every engine step (``engine/step_log.py``)."""
     disagg = disagg or DisaggConfig()
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
@@ -38,6 +41,13 @@ def run_worker(
     from splitserve.worker.server import create_app
 
     engine = LLMEngine(engine_config)
+    step_log = None
+    if step_log_dir is not None:
+        from splitserve.engine.step_log import StepLog
+
+        path = os.path.join(step_log_dir, f"{disagg.role}-{port}.jsonl")
+        step_log = StepLog(path, engine, role=disagg.role, url=f"http://{host}:{port}")
+        engine.step_log = step_log
     app = create_app(
         engine,
         api_key=api_key,
@@ -46,11 +56,15 @@ def run_worker(
         disagg=disagg,
     )
     quiet_gc()
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=False,  # a log line per request costs throughput; /metrics counts them
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
+    try:
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,  # a log line per request costs throughput; /metrics counts them
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+    finally:
+        if step_log is not None:
+            step_log.close()
