@@ -33,7 +33,7 @@ from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware, load_calibration
 from splitserve.sim.models import get_model
 from splitserve.sim.run import SimResult, simulate
-from splitserve.sim.step_timing import Sample, build_engine, measure, medians
+from splitserve.sim.step_timing import Sample, build_engine, measure, measure_peaks, medians
 
 # Timing against timing on a shared 2-core machine (docs/simulator.md, "A test of the 15%"):
 # it runs in `make test-timing`, not `make test`.
@@ -105,7 +105,8 @@ def run_case(calibration: str) -> Case:
     finally:
         stop_group(proc)
     samples = before + after  # one median per step over both
-    cost_fit = fit(samples, peak_cost_model())
+    # Against this machine's measured peaks, as `sim calibrate` fits.
+    cost_fit = fit(samples, peak_cost_model(peaks=measure_peaks(threads=1)))
     write_calibration(calibration, cost_fit, samples)  # as `sim calibrate --out` writes it
     slo = slo_of(samples)
     real = RunResult(summarize(real.records, real.summary.duration_s, slo), real.records)
