@@ -66,6 +66,34 @@ def test_decode_runs_cut_by_kv_pulls_keep_the_per_token_timings_of_exact_steppin
     assert sum(w.steps for w in decode) < sum(w.engine.steps for w in decode) / 2  # in bulk
 
 
+def test_kv_pull_engine_calls_run_while_the_decode_worker_computes():
+    """The real decode worker looks a pulled prompt's blocks up, reserves and registers them
+    with ``call_now``: under the engine's lock while a model run is in progress, not after
+    it. A worker decoding a long reply in bulk: such a call made mid-step runs at once and
+    cuts the run after the step in progress; one that could take blocks the run still needs
+    waits for the step boundary, as a plain engine call does."""
+    cluster = Cluster(config(), Deployment(collocated=1))
+    (w,) = cluster.workers
+    (spec,) = itertools.islice(RandomConfig(100, 1000, seed=3).sessions(1.0), 1)
+    seen = []
+
+    def probe(blocks: int):
+        def fire(_) -> None:
+            asked, in_run = cluster.now, w.engine.in_run
+            cluster.on_engine_now(w, lambda: seen.append((asked, cluster.now, in_run)), blocks)
+
+        return fire
+
+    cluster.events.at(spec.arrival_s + 1.0, probe(0))
+    cluster.events.at(spec.arrival_s + 2.0, probe(10**9))  # more than the pool holds
+    (record,) = cluster.run(iter([spec]))
+    assert record.ok and record.e2e_s > 3.0  # still decoding when both calls came
+    (asked, ran, in_run), (asked2, ran2, in_run2) = seen
+    assert in_run and in_run2  # both came in the middle of a run of decode steps
+    assert ran == asked
+    assert asked2 < ran2 < asked2 + 0.05  # the step in progress ended first
+
+
 def goodput(records, ttft_s: float, tpot_s: float) -> int:
     return sum(
         r.ok and r.ttft_s <= ttft_s and (r.e2e_s - r.ttft_s) / (r.output_tokens - 1) <= tpot_s

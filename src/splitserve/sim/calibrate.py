@@ -10,18 +10,22 @@ efficiencies and overheads minimising the squared relative error of::
         + per_seq * sequences + multi_row * [multi-row step]
 
 (a grid over the three efficiencies, non-negative linear least squares for the three
-overheads at each point). ``multi_row``: a step of one token runs its weight products as
-GEMV, a larger one as GEMM, which packs the weights first; a decode-only step of at most
-``fused_decode_max_seqs`` sequences runs on the engine's fused path and pays no such cost
-(the fit records the engine's limit, 0 when its fused path was off). It also times the real KV mover
-loading blocks from a host-RAM tier into the engine's KV cache: the simulated host-tier
+overheads at each point). The efficiencies are fractions of this machine's peaks, measured
+first (``measure_peaks``: fp32 GEMM FLOP/s and memory bandwidth) and stored with the fit;
+files from before hold none and are fitted and read against ``cpu-local``'s nominal ones.
+``multi_row``: a step of one token runs its weight products as GEMV, a larger one as GEMM,
+which packs the weights first; a decode-only step of at most ``fused_decode_max_seqs``
+sequences runs on the engine's fused path and pays no such cost (the fit records the
+engine's limit, 0 when its fused path was off). It also times the real KV mover loading
+blocks from a host-RAM tier into the engine's KV cache: the simulated host-tier
 loads' bandwidth (``host_bw``). ``--co-run`` times the grid once more while a second engine
 computes in another process: ``co_run_slowdown``, how much two workers sharing this machine
 slow each other beyond the share of cores (``sim --host-cores``). ``--refit FILE`` fits the
 samples of an earlier ``--out`` file again, measuring nothing; ``--refit BEFORE AFTER`` fits
 two files' samples together (medians over both), a calibration bracketing a run between
-them. The measurements live in
-``step_timing``; this module fits them and reads and writes calibration files.
+them. ``--from-steps LOG...`` fits the steps real workers logged while serving
+(``engine/step_log.py``), each kind of step at its median thread CPU time. The
+measurements live in ``step_timing``; this module fits them and reads and writes calibration files.
 """
 
 from __future__ import annotations

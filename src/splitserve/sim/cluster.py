@@ -268,7 +268,8 @@ class Cluster:
             if home is None or len(req.prompt) >= self.max_model_len:
                 self.admit(d, seq, req)
             else:
-                self.on_engine(d, lambda: self.moves.peer_fetch(req, home, d, seq))
+                blocks = self.moves.blocks_bound(d, req)
+                self.on_engine_now(d, lambda: self.moves.peer_fetch(req, home, d, seq), blocks)
             self.stats.local_prefills += 1
 
     def _uncached(self, req: SimRequest, d: SimWorker, new_tokens: int) -> int:
@@ -308,6 +309,27 @@ class Cluster:
 
     # ---- workers -------------------------------------------------------------------------
 
+    def on_engine_now(self, w: SimWorker, call: Callable[[], None], blocks: int) -> None:
+        """Run ``call`` on ``w``'s engine as the real worker's ``call_now`` runs it (the KV
+        pull's lookups, reserves and registers, a peer's lease): under the engine's lock,
+        while a model run is in progress, not after it. A decode run in progress is cut
+        after its current step, whose blocks stay its own: when ``call`` could take more
+        blocks than the pool holds beyond them (``blocks``, an upper bound), or ``w`` has
+        lower tiers (whose save order a call amid a run would change), it waits for the
+        step boundary, as ``on_engine``."""
+        if w.in_calls:
+            call()  # between steps already
+            return
+        if not w.busy or w.engine.tiering is not None:
+            self.on_engine(w, call)
+            return
+        if w.engine.in_run:
+            self._cut_run(w)
+        if w.engine.spare_blocks(blocks):
+            call()
+        else:
+            self.on_engine(w, call)
+
     def _kick(self, w: SimWorker) -> None:
         """Something changed for ``w``: start a step if idle, or end a decode run early."""
         if w.in_calls:
@@ -315,12 +337,16 @@ class Cluster:
         if not w.busy:
             self._begin(w)
         elif w.engine.in_run and (w.calls or w.engine.admission_possible()):
-            if self.cores is not None:
-                self.cores.cut_run(w, self.now)
-                return
-            total = w.engine.interrupt(self.now - w.started)
-            if total is not None and total < w.duration:
-                self._schedule_end(w, total)
+            self._cut_run(w)
+
+    def _cut_run(self, w: SimWorker) -> None:
+        """End ``w``'s decode run after the step in progress."""
+        if self.cores is not None:
+            self.cores.cut_run(w, self.now)
+            return
+        total = w.engine.interrupt(self.now - w.started)
+        if total is not None and total < w.duration:
+            self._schedule_end(w, total)
 
     def _begin(self, w: SimWorker) -> None:
         """Between steps: run the queued engine calls, then start the next step. A call

@@ -127,6 +127,13 @@ class SimEngine:
     def in_run(self) -> bool:
         return self._run is not None
 
+    def spare_blocks(self, blocks: int) -> bool:
+        """Whether ``blocks`` blocks can leave the pool now without taking one the decode run
+        in progress still needs (a run takes its new blocks only at its end; a single step
+        took its own when it began)."""
+        need = 0 if self._run is None else self._blocks_for(self._run.steps)
+        return need + blocks <= self.block_manager.num_free_blocks
+
     # ---- KV from outside: a pull, the lower tiers ----------------------------------------
 
     def register(

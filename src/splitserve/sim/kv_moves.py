@@ -38,12 +38,19 @@ class KVMoves:
         assert d is not None, "a prefilled request has its decode worker"
         d.router.in_flight += 1
         leg = c.config.hardware.remote_leg_s
-        c.events.at(c.now + leg, lambda _: c.on_engine(d, lambda: self._hits(req, p, d, seq)))
+        blocks = self.blocks_bound(d, req)
+        c.events.at(
+            c.now + leg, lambda _: c.on_engine_now(d, lambda: self._hits(req, p, d, seq), blocks)
+        )
+
+    def blocks_bound(self, d: SimWorker, req: SimRequest) -> int:
+        """The most blocks of ``d``'s pool that taking ``req``'s prompt in can reserve."""
+        return len(req.prompt) // d.engine.block_manager.block_size + 1
 
     def _hits(self, req: SimRequest, p: SimWorker, d: SimWorker, kept: Sequence) -> None:
-        """D's engine: which of the prompt's blocks it holds already."""
+        """D's engine: which of the prompt's blocks it holds already; then the reserve."""
         hits = self.local_blocks(d, kept, req.prompt)
-        self.c.on_engine(d, lambda: self._pull(req, p, d, kept, hits))
+        self._pull(req, p, d, kept, hits)
 
     def local_blocks(self, d: SimWorker, seq: Sequence, prompt: list[int]) -> int:
         """The leading reusable blocks of ``prompt`` that ``d`` holds; with lower tiers, those
@@ -56,7 +63,7 @@ class KVMoves:
         return len(bm.cached_chain(bm.chain(seq, usable), usable))
 
     def _pull(self, req: SimRequest, p: SimWorker, d: SimWorker, kept: Sequence, hits: int) -> None:
-        """D's engine, the next boundary: reserve blocks, start the transfer."""
+        """D's engine: reserve blocks, start the transfer."""
         c, bm = self.c, d.engine.block_manager
         usable = bm.reusable_blocks(len(req.prompt))
         hashes = kept.block_hashes[:usable]
@@ -72,7 +79,9 @@ class KVMoves:
         loaded = hashes[hits:usable]
         c.events.at(
             d.link_free,
-            lambda _: c.on_engine(d, lambda: self._pulled(req, p, d, kept, dest, loaded, hits)),
+            lambda _: c.on_engine_now(
+                d, lambda: self._pulled(req, p, d, kept, dest, loaded, hits), 0
+            ),
         )
 
     def _transfer(self, src: SimWorker, d: SimWorker, blocks: int) -> None:
@@ -130,9 +139,12 @@ class KVMoves:
             c.admit(d, seq, req)
             return
         half = c.config.hardware.peer_lease_s / 2  # the lease request, then its answer
+        blocks = self.blocks_bound(home, req)
         c.events.at(
             c.now + half,
-            lambda _: c.on_engine(home, lambda: self._peer_lease(req, home, d, seq, local)),
+            lambda _: c.on_engine_now(
+                home, lambda: self._peer_lease(req, home, d, seq, local), blocks
+            ),
         )
 
     def _peer_lease(
@@ -146,7 +158,9 @@ class KVMoves:
         half = c.config.hardware.peer_lease_s / 2
         c.events.at(
             c.now + half,
-            lambda _: c.on_engine(d, lambda: self._peer_pull(req, home, d, seq, local, leased)),
+            lambda _: c.on_engine_now(
+                d, lambda: self._peer_pull(req, home, d, seq, local, leased), len(leased)
+            ),
         )
 
     def _peer_pull(
@@ -181,7 +195,7 @@ class KVMoves:
             d.engine.register(dest, hashes, chain, local)
             self._peer_done(req, home, d, seq, leased)
 
-        c.events.at(d.link_free, lambda _: c.on_engine(d, land))
+        c.events.at(d.link_free, lambda _: c.on_engine_now(d, land, 0))
 
     def _peer_done(
         self, req: SimRequest, home: SimWorker, d: SimWorker, seq: Sequence, leased: list[int]
