@@ -7,16 +7,13 @@ the CPU each process spends per second over 30 s with no request in flight
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
+import threading
 import time
 
-import httpx
 import psutil
 
-from splitserve.cluster.local import free_port
+from splitserve.cluster.local import LocalDeployment, WorkerProcess, free_port
 
 
 def main() -> None:
@@ -24,13 +21,14 @@ def main() -> None:
     argv = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port)]
     argv += ["--decode", "4", "--threads-per-worker", "1", "--kv-cache-gb", "0.06"]
     argv += ["--policy", "round-robin"]
-    proc = subprocess.Popen(
-        argv, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    serve = WorkerProcess("serve", argv, f"http://127.0.0.1:{port}")
+    group = LocalDeployment([serve])
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", timeout_s=300)
+        if not group.start(300.0, threading.Event()):
+            raise RuntimeError("the deployment did not become healthy")
         time.sleep(5)  # past the start-up work
-        children = psutil.Process(proc.pid).children(recursive=True)
+        assert serve.proc is not None
+        children = psutil.Process(serve.proc.pid).children(recursive=True)
         before, start = cpu(children), time.monotonic()
         time.sleep(30)
         after, elapsed = cpu(children), time.monotonic() - start
@@ -38,20 +36,7 @@ def main() -> None:
             rate = 1000 * (seconds - before[pid][1]) / elapsed
             print(f"{name:<40} {rate:6.1f} ms CPU per s")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
-
-
-def wait_healthy(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} was not healthy after {timeout_s:.0f} s")
+        group.stop()
 
 
 def cpu(procs: list[psutil.Process]) -> dict[int, tuple[str, float]]:
