@@ -413,3 +413,12 @@ def test_step_logs_that_cannot_be_fitted_are_clear_errors(tmp_path, capsys):
         read_step_logs([str(tmp_path)])
     assert main(["sim", "calibrate", "--refit", "x.json", "--from-steps", str(tmp_path)]) == 2
     assert "two sources" in capsys.readouterr().err
+    # Flags that only mean something with another are refused without it, not ignored.
+    for argv, message in (
+        (["--base", "x.json"], "go with --from-steps"),
+        (["--step-time", "wall"], "go with --from-steps"),
+        (["--from-steps", str(tmp_path), "--co-run"], "--co-run times the step grid"),
+        (["--refit", "x.json", "--co-run"], "--co-run times the step grid"),
+    ):
+        assert main(["sim", "calibrate", *argv]) == 2
+        assert message in capsys.readouterr().err

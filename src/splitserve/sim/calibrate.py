@@ -235,8 +235,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         )
     if args.refit and args.from_steps:
         raise ValueError("--refit and --from-steps are two sources of samples: give one")
-    if args.base and not args.from_steps:
-        raise ValueError("--base goes with --from-steps")
+    if (args.base or args.step_time != "cpu") and not args.from_steps:
+        raise ValueError("--base and --step-time go with --from-steps")
+    if args.co_run and (args.refit or args.from_steps):
+        raise ValueError("--co-run times the step grid; --refit and --from-steps measure none")
     co_run: list[Sample] = []
     elsewhere: dict[str, float] = {}
     if args.refit:
