@@ -39,10 +39,9 @@ import numpy as np
 
 from splitserve.engine.step_log import fused_decode_max_seqs
 from splitserve.sim.cost_model import CostModel, StepShape
-from splitserve.sim.hardware import get_hardware
+from splitserve.sim.hardware import fitted_peaks, get_hardware
 from splitserve.sim.models import get_model
 from splitserve.sim.step_timing import (
-    DECODE_CONTEXT,
     Sample,
     build_engine,
     co_run_slowdown,
@@ -52,6 +51,7 @@ from splitserve.sim.step_timing import (
     measure_peaks,
     medians,
     read_step_logs,
+    row_shape,
 )
 
 
@@ -210,7 +210,7 @@ def peak_cost_model(
     """The bundled model on cpu-local at 100% efficiency and no overhead: what ``fit`` scales
     (``fused_decode_max_seqs``: the measured engine's, default cpu-local's; ``peaks``: this
     machine's measured (fp32 FLOP/s, memory bytes/s), default cpu-local's nominal ones)."""
-    hw = with_peaks(get_hardware("cpu-local"), peaks)
+    hw = get_hardware("cpu-local").with_peaks(peaks)
     hw = hw.with_fit(
         compute_eff=1.0,
         memory_eff=1.0,
@@ -278,14 +278,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def with_peaks(hw, peaks: tuple[float, float] | None):
-    """``hw`` with a measured fp32 peak and memory bandwidth (None: as it is)."""
-    if peaks is None:
-        return hw
-    flops, mem_bw = peaks
-    return hw.with_fit(peak_flops={**hw.peak_flops, "fp32": flops}, hbm_bw=mem_bw)
-
-
 def base_figures(path: str) -> tuple[float | None, dict[str, float], tuple[float, float] | None]:
     """What a fit of a run's steps keeps from a grid calibration (``--base``): its measured
     host-tier bandwidth, the figures measured elsewhere (serving CPU; ``co_run_slowdown``)
@@ -300,7 +292,7 @@ def base_figures(path: str) -> tuple[float | None, dict[str, float], tuple[float
         raise SystemExit(f"cannot read calibration file {path}: {e!r}") from None
     if isinstance(fit_values.get("co_run_slowdown"), int | float):
         elsewhere["co_run_slowdown"] = float(fit_values["co_run_slowdown"])
-    return host_bw, elsewhere, stored_peaks(fit_values)
+    return host_bw, elsewhere, fitted_peaks(fit_values)
 
 
 def files_peaks(paths: list[str]) -> tuple[float, float] | None:
@@ -308,7 +300,7 @@ def files_peaks(paths: list[str]) -> tuple[float, float] | None:
     found = []
     for path in paths:
         with open(path) as f:
-            peaks = stored_peaks(json.load(f).get("fit", {}))
+            peaks = fitted_peaks(json.load(f).get("fit", {}))
         if peaks is not None:
             found.append(peaks)
     if not found:
@@ -316,20 +308,17 @@ def files_peaks(paths: list[str]) -> tuple[float, float] | None:
     return (float(np.mean([p[0] for p in found])), float(np.mean([p[1] for p in found])))
 
 
-def stored_peaks(fit_values: dict) -> tuple[float, float] | None:
-    """The peaks a fit was made against (None: a file from before they were measured)."""
-    flops, mem_bw = fit_values.get("peak_flops_fp32"), fit_values.get("mem_bw")
-    ok = all(isinstance(v, int | float) and v > 0 for v in (flops, mem_bw))
-    return (float(flops), float(mem_bw)) if ok else None
-
-
 def cost_model_of(result: dict[str, float]) -> CostModel:
     """The bundled model on cpu-local with a fit's factors."""
     keys = ("compute_eff", "memory_eff", "attention_eff", *OVERHEADS)
-    hw = with_peaks(get_hardware("cpu-local"), stored_peaks(result)).with_fit(
-        **{k: result[k] for k in keys},
-        fused_decode_max_seqs=int(result.get("fused_decode_max_seqs", 0)),
-        fused_compute_eff=result.get("fused_compute_eff"),
+    hw = (
+        get_hardware("cpu-local")
+        .with_peaks(fitted_peaks(result))
+        .with_fit(
+            **{k: result[k] for k in keys},
+            fused_decode_max_seqs=int(result.get("fused_decode_max_seqs", 0)),
+            fused_compute_eff=result.get("fused_compute_eff"),
+        )
     )
     return CostModel(get_model("smollm2-135m"), hw, 1, "fp32")
 
@@ -353,17 +342,13 @@ def _rows(samples: list[Sample]) -> list[dict]:
 
 def read_samples(path: str) -> tuple[list[Sample], float | None, list[Sample]]:
     """The samples of a ``sim calibrate --out`` file, its measured ``host_bw`` (if any) and
-    its ``--co-run`` samples (none in older files). Files before the full shapes were stored
-    hold tokens and sequences only: a single sequence of several tokens is a prefill from
-    position 0, the rest decode steps over ``DECODE_CONTEXT``-token prompts, as ``measure``
-    takes them."""
+    its ``--co-run`` samples (none in older files); older files' rows hold less of a shape
+    (``step_timing.row_shape``)."""
     try:
         with open(path) as f:
             data = json.load(f)
-        samples = [Sample(_stored_shape(r), float(r["seconds"])) for r in data["samples"]]
-        co_run = [
-            Sample(_stored_shape(r), float(r["seconds"])) for r in data.get("co_run_samples", [])
-        ]
+        samples = [Sample(row_shape(r), float(r["seconds"])) for r in data["samples"]]
+        co_run = [Sample(row_shape(r), float(r["seconds"])) for r in data.get("co_run_samples", [])]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SystemExit(f"cannot read calibration samples from {path}: {e!r}") from None
     if not samples:
@@ -424,17 +409,3 @@ def measured_elsewhere(path: str) -> dict[str, float]:
     with open(path) as f:
         fit = json.load(f).get("fit", {})
     return {k: float(fit[k]) for k in MEASURED_ELSEWHERE if isinstance(fit.get(k), int | float)}
-
-
-def _stored_shape(row: dict) -> StepShape:
-    tokens, seqs = int(row["tokens"]), int(row["seqs"])
-    if tokens < 1 or seqs < 1:
-        raise ValueError(f"a step of {tokens} tokens over {seqs} sequences")
-    if "attended" in row:
-        return StepShape(
-            tokens, int(row["sampled"]), float(row["attended"]), int(row["kv_read"]), seqs
-        )
-    if seqs == 1 and tokens > 1:
-        return StepShape(tokens, 1, tokens * (tokens + 1) / 2, tokens, 1)
-    context = DECODE_CONTEXT + 1
-    return StepShape(tokens, seqs, seqs * context, seqs * context, seqs)

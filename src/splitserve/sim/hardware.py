@@ -108,10 +108,18 @@ class HardwareProfile:
             known = ", ".join(sorted(self.peak_flops))
             raise ValueError(f"{self.name} has no {dtype} peak; it has {known}") from None
 
-    def with_fit(self, **values: object) -> HardwareProfile:
-        """This profile with fitted efficiency factors / overhead (from ``sim calibrate``), and
-        the machine's measured peaks (``peak_flops``, ``hbm_bw``) where it measured them."""
+    def with_fit(self, **values: float | None) -> HardwareProfile:
+        """This profile with fitted efficiency factors / overhead (from ``sim calibrate``)."""
         return dataclasses.replace(self, **values)
+
+    def with_peaks(self, peaks: tuple[float, float] | None) -> HardwareProfile:
+        """This profile with a measured fp32 peak and memory bandwidth (None: as it is)."""
+        if peaks is None:
+            return self
+        flops, mem_bw = peaks
+        return dataclasses.replace(
+            self, peak_flops={**self.peak_flops, "fp32": flops}, hbm_bw=mem_bw
+        )
 
     def steps_scaled(self, scale: float) -> HardwareProfile:
         """This profile with every engine step ``scale`` times as long: peaks divided,
@@ -245,6 +253,17 @@ def _count(value: object, path: str) -> int:
     return value
 
 
+def fitted_peaks(fit: dict) -> tuple[float, float] | None:
+    """The machine's (fp32 FLOP/s, memory bytes/s) a calibration's fit was made against, as
+    ``sim calibrate`` measures and stores them (None: a file from before they were measured,
+    fitted against the profile's nominal ones)."""
+    flops, mem_bw = fit.get("peak_flops_fp32"), fit.get("mem_bw")
+    if isinstance(flops, int | float) and isinstance(mem_bw, int | float):
+        if flops > 0 and mem_bw > 0:
+            return float(flops), float(mem_bw)
+    return None
+
+
 def load_calibration(hw: HardwareProfile, path: str) -> HardwareProfile:
     """``hw`` with the efficiency factors and overhead a ``sim calibrate --out`` file holds."""
     try:
@@ -256,7 +275,7 @@ def load_calibration(hw: HardwareProfile, path: str) -> HardwareProfile:
     keys = ("compute_eff", "memory_eff", "step_overhead_s", "seq_overhead_s")
     if not isinstance(fit, dict) or not all(isinstance(fit.get(k), int | float) for k in keys):
         raise ValueError(f"calibration file {path} has no fit with {', '.join(keys)}")
-    values: dict[str, object] = {k: float(fit[k]) for k in keys}
+    values: dict[str, float | None] = {k: float(fit[k]) for k in keys}
     # A file fitted before the multi-row term existed was fitted without it.
     values["multi_row_overhead_s"] = float(fit.get("multi_row_overhead_s", 0.0))
     # ... and a file fitted before the engine's fused decode path existed timed the torch path.
@@ -264,12 +283,6 @@ def load_calibration(hw: HardwareProfile, path: str) -> HardwareProfile:
     for key in ("attention_eff", "fused_compute_eff"):  # absent from older files: as compute
         value = fit.get(key)
         values[key] = float(value) if isinstance(value, int | float) else None
-    # The machine's peaks the fit was made against (files from before they were measured
-    # were fitted against the profile's nominal ones).
-    flops, mem_bw = fit.get("peak_flops_fp32"), fit.get("mem_bw")
-    if all(isinstance(v, int | float) and v > 0 for v in (flops, mem_bw)):
-        values["peak_flops"] = {**hw.peak_flops, "fp32": float(flops)}
-        values["hbm_bw"] = float(mem_bw)
     if isinstance(fit.get("host_bw"), int | float) and fit["host_bw"] > 0:
         values["host_bw"] = float(fit["host_bw"])  # measured host-tier loads (newer files)
     if isinstance(fit.get("request_overhead_s"), int | float) and fit["request_overhead_s"] >= 0:
@@ -280,4 +293,4 @@ def load_calibration(hw: HardwareProfile, path: str) -> HardwareProfile:
     for key in serving:  # benchmarks/serving_cpu.py
         if isinstance(fit.get(key), int | float) and fit[key] >= 0:
             values[key] = float(fit[key])
-    return hw.with_fit(**values)
+    return hw.with_peaks(fitted_peaks(fit)).with_fit(**values)

@@ -283,7 +283,7 @@ def read_step_logs(paths: list[str], step_time: str = "cpu") -> tuple[list[Sampl
                         continue
                     seconds = float(row[key])
                     if seconds > 0:
-                        steps.append(Sample(_row_shape(row), seconds))
+                        steps.append(Sample(row_shape(row), seconds))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise SystemExit(f"cannot read step log {path}: {e!r}") from None
     if not steps:
@@ -296,17 +296,22 @@ def read_step_logs(paths: list[str], step_time: str = "cpu") -> tuple[list[Sampl
     return run_samples(steps), limits.pop()
 
 
-def _row_shape(row: dict) -> StepShape:
-    shape = StepShape(
-        int(row["tokens"]),
-        int(row["sampled"]),
-        float(row["attended"]),
-        int(row["kv_read"]),
-        int(row["seqs"]),
-    )
-    if shape.tokens < shape.chunks or shape.chunks < 1:
-        raise ValueError(f"a step of {shape.tokens} tokens over {shape.chunks} sequences")
-    return shape
+def row_shape(row: dict) -> StepShape:
+    """A stored step's shape: a row of a step log or of a ``sim calibrate --out`` file's
+    samples. Calibration files from before the whole shapes were stored hold tokens and
+    sequences only: a single sequence of several tokens is a prefill from position 0, the
+    rest decode steps over ``DECODE_CONTEXT``-token prompts, as ``measure`` takes them."""
+    tokens, seqs = int(row["tokens"]), int(row["seqs"])
+    if seqs < 1 or tokens < seqs:
+        raise ValueError(f"a step of {tokens} tokens over {seqs} sequences")
+    if "attended" in row:
+        return StepShape(
+            tokens, int(row["sampled"]), float(row["attended"]), int(row["kv_read"]), seqs
+        )
+    if seqs == 1 and tokens > 1:
+        return StepShape(tokens, 1, tokens * (tokens + 1) / 2, tokens, 1)
+    context = DECODE_CONTEXT + 1
+    return StepShape(tokens, seqs, seqs * context, seqs * context, seqs)
 
 
 def run_samples(steps: list[Sample]) -> list[Sample]:
