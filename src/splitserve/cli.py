@@ -15,6 +15,8 @@ from splitserve.cli_kv import (
     tier_config,
     tier_worker_args,
 )
+from splitserve.cli_vllm import add_engine_choice, run_vllm_worker_from_args, serve_vllm_args
+from splitserve.common.kv_events import add_kv_events_args
 from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S as DEFAULT_PEER_TIMEOUT_S
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SCHEDULING_POLICIES
@@ -103,6 +105,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        return run_vllm_worker_from_args(args)
     from splitserve.config import EngineConfig
     from splitserve.worker.main import run_worker
 
@@ -123,6 +127,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         disagg=disagg,
         step_log_dir=args.step_log_dir,
+        kv_events_endpoint=args.kv_events_endpoint,
     )
     return 0
 
@@ -142,6 +147,7 @@ def serve_topology(args: argparse.Namespace):
         kv_transport=args.kv_transport,
         kv_peer=args.kv_peer_fetch,
         kv_peer_timeout_s=args.kv_peer_timeout,
+        engine=args.engine,
         router_args=[
             *("--remote-prefill-threshold", str(args.remote_prefill_threshold)),
             *("--policy", args.policy),
@@ -154,6 +160,8 @@ def serve_topology(args: argparse.Namespace):
 
 def serve_worker_args(args: argparse.Namespace) -> list[str]:
     """The engine and tier flags ``serve`` passes to every worker it starts."""
+    if args.engine == "vllm":
+        return serve_vllm_args(args)
     worker_args = ["--dtype", args.dtype, "--kv-cache-gb", str(args.kv_cache_gb)]
     worker_args += ["--scheduling-policy", args.scheduling_policy]
     worker_args += tier_worker_args(args)
@@ -240,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(worker)
     add_kv_transfer_args(worker)
     add_kv_tier_args(worker)
+    add_kv_events_args(worker)
+    add_engine_choice(worker, worker=True)
     worker.set_defaults(func=cmd_worker)
 
     serve = sub.add_parser(
@@ -301,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_args(serve)
     _add_engine_args(serve)
     add_kv_tier_args(serve)
+    add_engine_choice(serve, worker=False)
     serve.set_defaults(func=cmd_serve)
 
     keygen = sub.add_parser("keygen", help="write a new key for --kv-encryption-key-file")

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
+import pytest
 
-from splitserve.router.health import BreakerState, CircuitBreaker, HealthChecker
+from splitserve.router.health import (
+    BreakerState,
+    CircuitBreaker,
+    HealthChecker,
+    load_from_metrics,
+)
 from splitserve.router.membership import BreakerConfig, Membership
 from splitserve.router.worker import LoadReport, Worker
 
@@ -113,3 +120,44 @@ def test_health_checker_probes_and_reports():
     asyncio.run(main())
     assert [w.url for w in m.candidates("decode")] == ["http://up"]
     assert m.get("http://up").report == LoadReport(running=1, waiting=2)
+
+
+VLLM_METRICS = Path(__file__).parent / "data" / "vllm-0.32-metrics-busy.txt"  # a real scrape
+
+
+def test_load_from_a_vllm_servers_metrics():
+    report = load_from_metrics(VLLM_METRICS.read_text())
+    # The scrape was taken with six requests running, none waiting, 3.3% of the KV in use.
+    assert report == LoadReport(running=6, waiting=0, kv_blocks_used=33, kv_blocks_total=1000)
+    assert load_from_metrics("# nothing of vLLM's here\nother_gauge 1.0\n") is None
+
+
+@pytest.mark.parametrize(
+    "load",
+    [
+        httpx.Response(404, json={"detail": "Not Found"}),
+        httpx.Response(200, json={"server_load": 0}),  # what vLLM's own /load answers
+    ],
+)
+def test_a_worker_without_our_load_is_probed_through_its_metrics_from_then_on(load):
+    paths: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        if request.url.path == "/load":
+            return load
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=VLLM_METRICS.read_text())
+        return httpx.Response(200)
+
+    m = Membership([Worker("http://vllm")])
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            checker = HealthChecker(client, m.all, m.report)
+            await checker.check_all()
+            await checker.check_all()
+
+    asyncio.run(main())
+    assert paths == ["/health", "/load", "/metrics", "/health", "/metrics"]
+    assert m.get("http://vllm").report.running == 6

@@ -17,7 +17,7 @@ def pool(*loads: int) -> list[Worker]:
 
 
 def test_registry_names():
-    assert sorted(POLICIES) == ["least-loaded", "prefix", "round-robin", "session"]
+    assert sorted(POLICIES) == ["kv-events", "least-loaded", "prefix", "round-robin", "session"]
     with pytest.raises(ValueError, match="unknown routing policy 'nope'"):
         make_policy("nope")
 

@@ -31,21 +31,37 @@ from splitserve.bench.client import Endpoint
 from splitserve.bench.load import Load, RunResult, run_load
 from splitserve.bench.metrics import SLO, Summary
 from splitserve.bench.report import MEAN_HEADERS, markdown_table, mean_rows, rows, text_table
-from splitserve.cluster.local import LocalDeployment, WorkerProcess, free_port
+from splitserve.cluster.local import (
+    LocalDeployment,
+    Topology,
+    WorkerProcess,
+    free_port,
+    worker_argv,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class Deployment:
     """One way to spend the cores: collocated workers or prefill/decode pools, and the
-    extra ``splitserve serve`` flags (router policy, KV tiers) that make it what it is."""
+    extra ``splitserve serve`` flags (router policy, KV tiers) that make it what it is.
+
+    ``engine`` runs in every worker (``builtin`` or ``vllm``). ``front`` is what clients
+    talk to: ``splitserve`` (``serve``: our router in front of the pools), ``none`` (one
+    worker on every core, no router) or ``vllm-router`` (the Rust ``vllm-router`` package
+    with ``front_policy``, in front of the same workers ``serve`` would start)."""
 
     name: str
     disaggregated: bool
     serve_args: tuple[str, ...]
     about: str
+    engine: str = "builtin"
+    front: str = "splitserve"
+    front_policy: str | None = None
 
     def pools(self, workers: int) -> tuple[int, int]:
         """(prefill, decode) workers out of ``workers``: half and half when disaggregated."""
+        if self.front == "none":
+            return 0, 1
         if not self.disaggregated:
             return 0, workers
         if workers < 2:
@@ -91,8 +107,46 @@ DEPLOYMENTS = {
             SESSION_TIERS,
             "P/D pools, session affinity, 2 GB host-RAM KV tier per worker",
         ),
+        Deployment(
+            "vllm-single",
+            False,
+            (),
+            "one vLLM server, vLLM's own defaults (its CPU binding), no router",
+            engine="vllm",
+            front="none",
+        ),
+        Deployment(
+            "vllm-single-all",
+            False,
+            ("--all-cores",),
+            "one vLLM server bound to every core, no router",
+            engine="vllm",
+            front="none",
+        ),
+        Deployment(
+            "vllm-rr",
+            False,
+            ("--policy", "round-robin"),
+            "vLLM workers, splitserve's router, round-robin",
+            engine="vllm",
+        ),
+        Deployment(
+            "vllm-session",
+            False,
+            ("--policy", "session"),
+            "vLLM workers, splitserve's router, session affinity",
+            engine="vllm",
+        ),
+        Deployment(
+            "vllm-kv-events",
+            False,
+            ("--policy", "kv-events"),
+            "vLLM workers, splitserve's router placing turns by the workers' KV events",
+            engine="vllm",
+        ),
     )
 }
+VLLM_ROUTER = "vllm-router:"  # vllm-router:POLICY, any of the package's policies
 
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:
@@ -131,35 +185,87 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
 
 def parse_deployments(text: str) -> list[Deployment]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in DEPLOYMENTS]
+    unknown = [n for n in names if n not in DEPLOYMENTS and not n.startswith(VLLM_ROUTER)]
     if unknown or not names:
-        raise ValueError(f"unknown deployment(s) {unknown}; known: {', '.join(DEPLOYMENTS)}")
-    return [DEPLOYMENTS[n] for n in names]
+        known = ", ".join([*DEPLOYMENTS, f"{VLLM_ROUTER}POLICY"])
+        raise ValueError(f"unknown deployment(s) {unknown}; known: {known}")
+    return [DEPLOYMENTS.get(n) or vllm_router_deployment(n) for n in names]
+
+
+def vllm_router_deployment(name: str) -> Deployment:
+    """``vllm-router:POLICY``: vLLM workers behind the Rust ``vllm-router`` package."""
+    from splitserve.cluster.vllm_router import VLLM_ROUTER_POLICIES
+
+    policy = name.removeprefix(VLLM_ROUTER)
+    if policy not in VLLM_ROUTER_POLICIES:
+        raise ValueError(
+            f"unknown vllm-router policy {policy!r}; known: {', '.join(VLLM_ROUTER_POLICIES)}"
+        )
+    about = f"vLLM workers behind the vllm-router package, policy {policy}"
+    return Deployment(name, False, (), about, "vllm", "vllm-router", policy)
 
 
 def serve_argv(dep: Deployment, workers: int, threads: int, port: int, extra=()) -> list[str]:
     prefill, decode = dep.pools(workers)
     argv = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port)]
     argv += ["--prefill", str(prefill), "--decode", str(decode)]
-    argv += ["--threads-per-worker", str(threads), *dep.serve_args, *extra]
+    argv += ["--threads-per-worker", str(threads), *_engine_args(dep), *dep.serve_args, *extra]
     return argv
 
 
-class Running:
-    """A deployment's ``splitserve serve`` process, started and stopped as a context."""
+def _engine_args(dep: Deployment) -> list[str]:
+    return ["--engine", dep.engine] if dep.engine != "builtin" else []
 
-    def __init__(self, dep: Deployment, argv: list[str], url: str, key: str, timeout: float):
-        proc = WorkerProcess(dep.name, argv, url, {"SPLITSERVE_API_KEY": key})
-        self.group, self.timeout = LocalDeployment([proc]), timeout
+
+def stages_of(
+    dep: Deployment, workers: int, threads: int, port: int, key: str, extra=()
+) -> list[LocalDeployment]:
+    """The processes of ``dep`` on ``port``, in start order (workers before a front)."""
+    url, env = f"http://127.0.0.1:{port}", {"SPLITSERVE_API_KEY": key}
+    if dep.front == "splitserve":
+        argv = serve_argv(dep, workers, threads, port, extra)
+        return [LocalDeployment([WorkerProcess(dep.name, argv, url, env)])]
+    if dep.front == "none":
+        cores = ["--threads", str(workers * threads)] if "--all-cores" in dep.serve_args else []
+        argv = worker_argv("127.0.0.1", port, None, [*_engine_args(dep), *cores, *extra])
+        return [LocalDeployment([WorkerProcess(dep.name, argv, url, env)])]
+    return _behind_vllm_router(dep, workers, threads, port, env, extra)
+
+
+def _behind_vllm_router(dep: Deployment, workers: int, threads: int, port: int, env, extra):
+    from splitserve.cluster.vllm_router import find_vllm_router, vllm_router_argv, vllm_router_env
+
+    binary = find_vllm_router()
+    topology = Topology(decode=workers, threads_per_worker=threads, engine=dep.engine)
+    pool = []
+    for i in range(workers):
+        wport = free_port()
+        args = [*_engine_args(dep), *topology.core_args(i), *extra]
+        argv = worker_argv("127.0.0.1", wport, None, args, role="decode")
+        pool.append(WorkerProcess(f"{dep.name}-{i}", argv, f"http://127.0.0.1:{wport}", env))
+    assert dep.front_policy is not None
+    argv = vllm_router_argv(binary, "127.0.0.1", port, [w.url for w in pool], dep.front_policy)
+    router = WorkerProcess(dep.name, argv, f"http://127.0.0.1:{port}", vllm_router_env())
+    return [LocalDeployment(pool), LocalDeployment([router])]
+
+
+class Running:
+    """A deployment's processes, started (in stages) and stopped as a context."""
+
+    def __init__(self, name: str, stages: list[LocalDeployment], timeout: float):
+        self.name, self.stages, self.timeout = name, stages, timeout
 
     def __enter__(self) -> Running:
-        if not self.group.start(self.timeout, threading.Event()):
-            self.group.stop()
-            raise RuntimeError(f"{self.group.workers[0].name} did not become healthy")
+        for i, stage in enumerate(self.stages):
+            if not stage.start(self.timeout, threading.Event()):
+                for started in reversed(self.stages[: i + 1]):
+                    started.stop()
+                raise RuntimeError(f"{self.name} did not become healthy")
         return self
 
     def __exit__(self, *exc) -> None:
-        self.group.stop(timeout=30.0)
+        for stage in reversed(self.stages):
+            stage.stop(timeout=30.0)
 
 
 Series = dict[str, list[tuple[Load, RunResult]]]  # deployment -> [(load, run)]
@@ -188,9 +294,10 @@ def _sweep_one(args, dep: Deployment, workers: int, workload, loads: list[Load],
     extra = list(args.serve_arg)
     if args.step_logs:
         extra += ["--step-log-dir", os.path.join(args.step_logs, dep.name)]
-    argv = serve_argv(dep, workers, args.threads_per_worker, port, extra)
+    stages = stages_of(dep, workers, args.threads_per_worker, port, key, extra)
+    argv = stages[-1].workers[0].argv
     out = []
-    with Running(dep, argv, url, key, args.ready_timeout):
+    with Running(dep.name, stages, args.ready_timeout):
         for i, load in enumerate(loads):
             wl = dataclasses.replace(workload, seed=workload.seed + i)
             run = asyncio.run(run_load(Endpoint(url, key), wl, load, slo, not args.no_progress))

@@ -170,6 +170,7 @@ class Topology:
     kv_transport: str = "tcp"
     kv_peer: bool = False  # decode workers lend each other sessions' KV (worker.peer)
     kv_peer_timeout_s: float = DEFAULT_KV_PEER_TIMEOUT_S
+    engine: str = "builtin"  # or "vllm": each worker a vLLM server (cluster.vllm_worker)
     router_args: Sequence[str] = ()
 
     def __post_init__(self) -> None:
@@ -181,6 +182,18 @@ class Topology:
             raise ValueError("--kv-peer-fetch needs decode workers behind the router (--decode M)")
         if not self.kv_peer_timeout_s > 0:
             raise ValueError(f"--kv-peer-timeout must be > 0, got {self.kv_peer_timeout_s}")
+
+    def core_args(self, index: int) -> list[str]:
+        """The thread flags of the ``index``-th worker: a vLLM worker binds to cores of its
+        own (``threads_per_worker`` of them, in turn, wrapping around the machine)."""
+        threads = self.threads_per_worker
+        if threads is None:
+            return []
+        if self.engine != "vllm":
+            return ["--threads", str(threads)]
+        ncpu = os.cpu_count() or 1
+        cores = sorted({(index * threads + k) % ncpu for k in range(threads)})
+        return ["--cpus", ",".join(map(str, cores))]
 
     def role_args(self, role: str) -> list[str]:
         """Flags only the workers of ``role`` get."""
@@ -248,13 +261,12 @@ def _pools(
     router on ``port``."""
     env = {**env, "SPLITSERVE_KV_SECRET": secrets.token_hex(32)}
     extra = list(worker_args)
-    if topology.threads_per_worker is not None:
-        extra += ["--threads", str(topology.threads_per_worker)]
     workers: list[WorkerProcess] = []
     for role, count in (("prefill", topology.prefill), ("decode", topology.decode)):
         for i in range(count):
             wport = free_port(host)
-            args = own_disk_dir(extra + topology.role_args(role), f"{role}-{i}")
+            cores = topology.core_args(len(workers))
+            args = own_disk_dir(extra + cores + topology.role_args(role), f"{role}-{i}")
             argv = worker_argv(host, wport, model, args, role=role)
             workers.append(WorkerProcess(f"{role}-{i}", argv, f"http://{host}:{wport}", env))
     urls = {

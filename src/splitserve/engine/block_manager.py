@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from splitserve.common.kv_hash import BlockChain, BlockHash
 from splitserve.engine.free_queue import FreeQueue
@@ -78,9 +79,22 @@ class PrefixMatch:
         return len(self.block_ids)
 
 
+class CacheEvents(Protocol):
+    """Hears what the prefix cache gains and loses (``common.kv_events.BlockEventSink``
+    publishes it as KV events). ``stored``: consecutive blocks of one chain, the first
+    chained to ``parent`` (None: a prompt's first block), with their tokens."""
+
+    def stored(
+        self, hashes: list[BlockHash], parent: BlockHash | None, blocks: list[tuple[int, ...]]
+    ) -> None: ...
+    def removed(self, block_hash: BlockHash) -> None: ...
+    def cleared(self) -> None: ...
+
+
 class BlockManager:
     """``on_evict(hash)`` hears of every cached block whose KV leaves the pool (the tier
-    ladder counts it as demoted: its bytes were copied down when the block completed)."""
+    ladder counts it as demoted: its bytes were copied down when the block completed).
+    ``events``, when set, hears of every block the cache gains or loses (KV events)."""
 
     def __init__(
         self,
@@ -102,6 +116,7 @@ class BlockManager:
         self.prefix_queries = 0  # blocks looked up on admission
         self.prefix_hits = 0  # of which served from the cache
         self.on_evict = on_evict
+        self.events: CacheEvents | None = None
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -221,6 +236,12 @@ class BlockManager:
                 stored_hash[block_id], self._tokens[block_id] = h, chain.tokens[i]
                 cached[h] = block_id
                 published.append((block_id, h))
+        if self.events is not None and published:
+            parent = chain.hashes[start - 1] if start else None
+            new = {h for _, h in published}
+            self._report_stored(
+                parent, chain.hashes[start:num_full], chain.tokens[start:num_full], new
+            )
         return published
 
     def free(self, seq: Sequence) -> None:
@@ -268,12 +289,14 @@ class BlockManager:
         token_ids: list[int],
         start_block: int = 0,
         blocks: list[tuple[int, ...]] | None = None,
+        parent: BlockHash | None = None,
     ) -> None:
         """Publish reserved blocks, now filled with the KV of the consecutive full blocks
         ``start_block, start_block + 1, ...`` of ``token_ids``, under their hashes, then
         release them into the prefix cache. ``blocks``: those blocks' tokens as tuples made
         already (a ``BlockChain``'s), stored as they are; a lookup through that chain then
-        finds them by identity instead of comparing every token."""
+        finds them by identity instead of comparing every token. ``parent``: the hash of
+        the block before the first (None: that is the chain's first block), for ``events``."""
         bs = self.block_size
         for i, (block_id, h) in enumerate(zip(block_ids, hashes, strict=True), start_block):
             if h not in self._cached and self._hash[block_id] is None:
@@ -284,6 +307,8 @@ class BlockManager:
                     else blocks[i - start_block]
                 )
                 self._cached[h] = block_id
+        if self.events is not None:
+            self._report_registered(block_ids, hashes, token_ids, start_block, blocks, parent)
         self.release(block_ids)
 
     def acquire(self, block_ids: list[int]) -> None:
@@ -311,8 +336,19 @@ class BlockManager:
                     free.append(block_id)
 
     def reset_prefix_cache(self) -> None:
-        for block_id in self._free:
-            self._evict(block_id)
+        """Evict every free cached block. When that empties the cache, ``events`` hears
+        one ``cleared`` instead of a removal per block."""
+        events = self.events
+        emptied = all(self._ref[b] == 0 for b in self._cached.values())
+        if emptied:
+            self.events = None
+        try:
+            for block_id in self._free:
+                self._evict(block_id)
+        finally:
+            self.events = events
+        if emptied and events is not None:
+            events.cleared()
 
     def _take(self, block_ids: list[int]) -> None:
         ref, free = self._ref, self._free
@@ -335,7 +371,52 @@ class BlockManager:
             del self._cached[h]
             if self.on_evict is not None:
                 self.on_evict(h)
+            if self.events is not None:
+                self.events.removed(h)
             self._hash[block_id], self._tokens[block_id] = None, ()
+
+    def _report_registered(
+        self,
+        block_ids: list[int],
+        hashes: list[BlockHash],
+        token_ids: list[int],
+        start_block: int,
+        blocks: list[tuple[int, ...]] | None,
+        parent: BlockHash | None,
+    ) -> None:
+        # Registered here, not before: the hash now names this very block.
+        new = {h for h, b in zip(hashes, block_ids, strict=True) if self._cached.get(h) == b}
+        if not new:
+            return
+        if blocks is None:
+            bs, end = self.block_size, start_block + len(hashes)
+            blocks = [tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(start_block, end)]
+        self._report_stored(parent, hashes, blocks, new)
+
+    def _report_stored(
+        self,
+        parent: BlockHash | None,
+        hashes: list[BlockHash],
+        tokens: list[tuple[int, ...]],
+        new: set[BlockHash],
+    ) -> None:
+        """Tell ``events`` of the runs of ``new`` blocks in ``hashes`` (a stretch of one chain
+        whose block before is ``parent``), each run chained to the block before it::
+
+            parent  hashes:  h0  h1  h2  h3        new = {h0, h1, h3}
+            stored:         [h0  h1]    [h3]       parents: parent, h2
+        """
+        assert self.events is not None
+        i, end = 0, len(hashes)
+        while i < end:
+            if hashes[i] not in new:
+                i += 1
+                continue
+            j = i
+            while j < end and hashes[j] in new:
+                j += 1
+            self.events.stored(hashes[i:j], hashes[i - 1] if i else parent, tokens[i:j])
+            i = j
 
 
 def _same(stored: tuple[int, ...], tokens: tuple[int, ...]) -> bool:

@@ -161,11 +161,17 @@ class LLMEngine:
         return self.block_manager.reserve(num_blocks)
 
     def register_blocks(
-        self, block_ids: list[int], hashes: list[bytes], token_ids: list[int], start_block: int = 0
+        self,
+        block_ids: list[int],
+        hashes: list[bytes],
+        token_ids: list[int],
+        start_block: int = 0,
+        parent: bytes | None = None,
     ) -> None:
         """Publish reserved blocks that were filled from outside (a KV transfer) into the
-        prefix cache; like blocks computed here, they are saved down the tier ladder."""
-        self.block_manager.register(block_ids, hashes, token_ids, start_block)
+        prefix cache; like blocks computed here, they are saved down the tier ladder.
+        ``parent``: the hash of block ``start_block - 1`` (None for block 0), for KV events."""
+        self.block_manager.register(block_ids, hashes, token_ids, start_block, parent=parent)
         self.tiering.on_cached(list(zip(block_ids, hashes, strict=True)))
 
     def release_blocks(self, block_ids: list[int]) -> None:

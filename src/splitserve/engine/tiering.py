@@ -279,7 +279,9 @@ class Tiering:
         self.stats.blocks_loaded += ok
         self.stats.load_misses += len(copy.block_ids) - ok
         self.bm.release(copy.block_ids[ok:])
-        self.bm.register(copy.block_ids[:ok], copy.hashes[:ok], copy.token_ids)
+        # The load starts right after its device prefix, which is held: its hash still stands.
+        parent = self.bm.blocks[copy.prefix_ids[-1]].hash if copy.prefix_ids else None
+        self.bm.register(copy.block_ids[:ok], copy.hashes[:ok], copy.token_ids, parent=parent)
         self.bm.release(copy.prefix_ids)
         if ok < len(copy.block_ids) and copy.request_id in self.loading:
             self.loading[copy.request_id].tier_checked = True  # a miss: recompute from there

@@ -16,6 +16,7 @@ from splitserve.router.config import RouterConfig
 from splitserve.router.errors import RouterError
 from splitserve.router.front import COMPLETION_PATHS, MODELS_PATH, Endpoint, Front, check_bearer
 from splitserve.router.health import HealthChecker
+from splitserve.router.kv_index import KVEventSubscriber, KVIndex
 from splitserve.router.membership import BreakerConfig, Membership
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import make_policy
@@ -36,6 +37,8 @@ def create_app(config: RouterConfig) -> Front:
         lambda role: sum(w.role == role for w in healthy_workers(membership.all()))
     )
     state: dict[str, Any] = {}
+    kv_index = KVIndex() if config.kv_events else None
+    tokenizer = _tokenizer(config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -52,18 +55,26 @@ def create_app(config: RouterConfig) -> Front:
             config.health_timeout_s,
             probe_headers,
         )
+        subscriber = None
+        if kv_index is not None:
+            subscriber = KVEventSubscriber(kv_index, config.kv_events, config.kv_events_topic)
+            subscriber.start()
+            app.state.kv_events = subscriber
         state["proxy"] = Proxy(
             config,
             membership,
-            _policy(config, config.policy),
-            _policy(config, config.prefill_policy),
+            _policy(config, config.policy, kv_index),
+            _policy(config, config.prefill_policy, kv_index),
             client,
             metrics,
+            tokenizer,
         )
         checker.start()
         try:
             yield
         finally:
+            if subscriber is not None:
+                await subscriber.stop()
             await checker.stop()
             await client.close()
             await probes.aclose()
@@ -71,6 +82,7 @@ def create_app(config: RouterConfig) -> Front:
     app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.membership = membership
     app.state.metrics = metrics
+    app.state.kv_index = kv_index
     _install_error_handlers(app)
     app.include_router(_open_routes(membership, metrics))
     endpoint = Endpoint(lambda: state["proxy"], metrics, config.api_key)
@@ -81,14 +93,25 @@ def create_app(config: RouterConfig) -> Front:
     return Front(app, endpoint)
 
 
-def _policy(config: RouterConfig, name: str):
+def _policy(config: RouterConfig, name: str, kv_index: KVIndex | None):
     options: dict[str, Any] = {}
-    if name in ("session", "prefix") and config.vnodes != DEFAULT_VNODES:
+    if name in ("session", "prefix", "kv-events") and config.vnodes != DEFAULT_VNODES:
         options["vnodes"] = config.vnodes
-    if name == "session":
+    if name in ("session", "kv-events"):
         options["load_factor"] = config.load_factor
         options["load_floor"] = config.load_floor
+    if name == "kv-events":
+        options["index"] = kv_index
     return make_policy(name, **options)
+
+
+def _tokenizer(config: RouterConfig):
+    """The router's own tokenizer when one is configured (``--tokenizer``), else None."""
+    if config.tokenizer is None:
+        return None
+    from splitserve.router.prompt_tokens import ChatTokenizer
+
+    return ChatTokenizer.from_dir(config.tokenizer)
 
 
 def _open_routes(membership: Membership, metrics: RouterMetrics) -> APIRouter:

@@ -95,8 +95,36 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "chosen worker pulls the session's KV from it (workers need --kv-peer)",
     )
     p.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="WORKER_URL=ENDPOINT",
+        help="subscribe to a worker's KV events (its --kv-events-endpoint, or vLLM's "
+        "--kv-events-config endpoint) for --policy kv-events; repeat per worker",
+    )
+    p.add_argument("--kv-events-topic", default="", help="the workers' KV events topic")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="model directory (tokenizer.json, chat template) the router tokenizes prompts "
+        "with, as the workers do, for --policy kv-events",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+
+
+def _kv_events(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        url, sep, endpoint = pair.partition("=")
+        if not (sep and url and endpoint):
+            raise SystemExit(
+                f"splitserve router: --kv-events wants WORKER_URL=ENDPOINT, got {pair!r}"
+            )
+        out[url] = endpoint
+    return out
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -120,6 +148,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         remote_prefill_threshold=args.remote_prefill_threshold,
         prefetch_hints=args.kv_prefetch_hints,
         kv_peer_fetch=args.kv_peer_fetch,
+        kv_events=_kv_events(args.kv_events),
+        kv_events_topic=args.kv_events_topic,
+        tokenizer=args.tokenizer,
     )
 
 

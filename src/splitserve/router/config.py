@@ -8,7 +8,7 @@ from typing import Any
 
 from splitserve.router.policies import POLICIES
 from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR, DEFAULT_VNODES
-from splitserve.router.worker import Worker
+from splitserve.router.worker import Worker, normalize_url
 
 # Below this many uncached prompt tokens the decode worker prefills locally: a remote leg
 # costs a second HTTP round trip plus the transfer. Measured break-even on this project's
@@ -61,6 +61,11 @@ class RouterConfig:
     # Peer KV fetch: a session turn placed off its (healthy) home worker names the home in
     # the body (``kv_peer``), and the chosen worker pulls the session's KV from there.
     kv_peer_fetch: bool = False
+    # The kv-events policy: worker URL -> the ZMQ endpoint of its KV events (vLLM's format),
+    # and the model directory whose tokenizer and chat template give the prompt's token ids.
+    kv_events: dict[str, str] = field(default_factory=dict)
+    kv_events_topic: str = ""
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("policy", "prefill_policy"):
@@ -88,6 +93,14 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.admin_key is None:
             self.admin_key = self.api_key
+        self.kv_events = {normalize_url(u): e for u, e in self.kv_events.items()}
+        if "kv-events" in (self.policy, self.prefill_policy) and not (
+            self.kv_events and self.tokenizer
+        ):
+            raise ValueError(
+                "the kv-events policy needs the workers' event endpoints (kv_events) "
+                "and a tokenizer directory (tokenizer)"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> RouterConfig:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.router.worker import LoadReport, Worker
 
@@ -70,6 +71,34 @@ class CircuitBreaker:
             self.opened_at = self.clock()
 
 
+# vLLM's gauges (per engine; summed). KV usage is a fraction: reported per mille.
+_VLLM_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
+KV_USAGE_SCALE = 1000
+
+
+def load_from_metrics(text: str) -> LoadReport | None:
+    """A ``LoadReport`` from a vLLM server's Prometheus text (None when it has none of the
+    gauges). KV use becomes ``kv_blocks_used`` out of ``KV_USAGE_SCALE``."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        field_name = _VLLM_GAUGES.get(family.name) or _VLLM_GAUGES.get(f"{family.name}_total")
+        if field_name is None:
+            continue
+        found[field_name] = sum(s.value for s in family.samples if s.name == family.name)
+    if not found:
+        return None
+    return LoadReport(
+        running=int(found.get("running", 0)),
+        waiting=int(found.get("waiting", 0)),
+        kv_blocks_used=round(found.get("kv_usage", 0.0) * KV_USAGE_SCALE),
+        kv_blocks_total=KV_USAGE_SCALE if "kv_usage" in found else 0,
+    )
+
+
 class HealthChecker:
     """Probes every worker on an interval; outcomes go to ``report`` (the membership).
 
@@ -93,10 +122,12 @@ class HealthChecker:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.headers = headers or {}
+        self._metrics_only: set[str] = set()  # workers without /load: read /metrics
         self._task: asyncio.Task | None = None
 
     async def probe(self, worker: Worker) -> tuple[bool, LoadReport | None, int]:
-        """One ``/health`` and ``/load`` round trip for one worker."""
+        """One ``/health`` and load round trip for one worker: ``/load`` from a splitserve
+        worker, Prometheus ``/metrics`` from one that has no ``/load`` (a vLLM server)."""
         try:
             health = await self.client.get(
                 f"{worker.url}/health", timeout=self.timeout_s, headers=self.headers
@@ -104,15 +135,25 @@ class HealthChecker:
             if health.status_code != 200:
                 return False, None, 0
             own = worker.in_flight
-            load = await self.client.get(
-                f"{worker.url}/load", timeout=self.timeout_s, headers=self.headers
-            )
+            load = await self._load(worker.url)
             own = max(own, worker.in_flight)
-            data = load.json() if load.status_code == 200 else None
         except (httpx.HTTPError, ValueError) as e:
             log.debug("health probe of %s failed: %r", worker.url, e)
             return False, None, 0
-        return True, LoadReport.from_json(data) if isinstance(data, dict) else None, own
+        return True, load, own
+
+    async def _load(self, url: str) -> LoadReport | None:
+        if url not in self._metrics_only:
+            r = await self.client.get(f"{url}/load", timeout=self.timeout_s, headers=self.headers)
+            data = r.json() if r.status_code == 200 else None
+            if isinstance(data, dict) and "running" in data:
+                return LoadReport.from_json(data)
+            if r.status_code not in (200, 404):
+                return None
+            # No /load, or vLLM's own (``{"server_load": n}``, requests in its API server).
+            self._metrics_only.add(url)
+        r = await self.client.get(f"{url}/metrics", timeout=self.timeout_s, headers=self.headers)
+        return load_from_metrics(r.text) if r.status_code == 200 else None
 
     async def check_all(self) -> None:
         """Probe every worker once, concurrently, and report each outcome."""

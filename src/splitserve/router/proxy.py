@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -41,6 +41,9 @@ from splitserve.router.session import prefix_key, session_key
 from splitserve.router.timing import Timeline, now
 from splitserve.router.upstream import UPSTREAM_ERRORS
 from splitserve.router.worker import Worker
+
+if TYPE_CHECKING:
+    from splitserve.router.prompt_tokens import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +84,10 @@ class Proxy:
         prefill: RoutingPolicy,
         client: aiohttp.ClientSession,
         metrics: RouterMetrics,
+        tokenizer: ChatTokenizer | None = None,
     ) -> None:
         self.config = config
+        self.tokenizer = tokenizer  # prompt ids for the policies (the kv-events policy)
         self.membership = membership
         self.policies = {"decode": decode, "prefill": prefill}
         self.client = client
@@ -182,6 +187,7 @@ class Proxy:
             session_key=None if key is None else key.key,
             prefix_key=prefix_key(body, self.config.prefix_chars),
             prompt_tokens=int(disagg.uncached_chars(body, False) / self.config.chars_per_token),
+            prompt_token_ids=None if self.tokenizer is None else self.tokenizer.request_ids(body),
         )
         home = None
         if info.session_key is not None:

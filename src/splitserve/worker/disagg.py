@@ -286,7 +286,8 @@ class DecodeSide:
             raise
         start = plan.load_indices[0]
         loaded = hashes[start : start + plan.num_blocks]
-        await self.calls.call_now(lambda e: e.register_blocks(dest, loaded, prompt, start))
+        parent = hashes[start - 1] if start else None
+        await self.calls.call_now(lambda e: e.register_blocks(dest, loaded, prompt, start, parent))
         self.metrics.kv_blocks_received.inc(pulled.num_blocks)
         self.metrics.kv_bytes_received.inc(pulled.nbytes)
         self.metrics.kv_transfer_seconds.observe(pulled.seconds)

@@ -25,11 +25,13 @@ def run_worker(
     log_level: str = "info",
     disagg: DisaggConfig | None = None,
     step_log_dir: str | None = None,
+    kv_events_endpoint: str | None = None,
 ) -> None:
     """Load the model (the port opens only once it is ready), then serve until stopped.
 
     ``disagg`` carries the worker's role and KV-transfer settings (default: collocated);
-    ``step_log_dir``, where to log every engine step (``engine/step_log.py``)."""
+    ``step_log_dir``, where to log every engine step (``engine/step_log.py``);
+    ``kv_events_endpoint``, where to publish the prefix cache's KV events (a ZMQ endpoint)."""
     disagg = disagg or DisaggConfig()
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
@@ -48,6 +50,13 @@ def run_worker(
         path = os.path.join(step_log_dir, f"{disagg.role}-{port}.jsonl")
         step_log = StepLog(path, engine, role=disagg.role, url=f"http://{host}:{port}")
         engine.step_log = step_log
+    kv_events = None
+    if kv_events_endpoint is not None:
+        from splitserve.common.kv_events import BlockEventSink, EventPublisher
+
+        kv_events = EventPublisher(kv_events_endpoint)
+        bm = engine.block_manager
+        bm.events = BlockEventSink(kv_events, bm.block_size)
     app = create_app(
         engine,
         api_key=api_key,
@@ -68,3 +77,5 @@ def run_worker(
     finally:
         if step_log is not None:
             step_log.close()
+        if kv_events is not None:
+            kv_events.close()

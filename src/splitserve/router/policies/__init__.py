@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from splitserve.router.policies.base import RequestInfo, RoutingPolicy
+from splitserve.router.policies.kv_events import KVEventsPolicy
 from splitserve.router.policies.least_loaded import LeastLoadedPolicy
 from splitserve.router.policies.prefix import PrefixPolicy
 from splitserve.router.policies.round_robin import RoundRobinPolicy
 from splitserve.router.policies.session import SessionPolicy
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
-    p.name: p for p in (SessionPolicy, PrefixPolicy, LeastLoadedPolicy, RoundRobinPolicy)
+    p.name: p
+    for p in (SessionPolicy, PrefixPolicy, KVEventsPolicy, LeastLoadedPolicy, RoundRobinPolicy)
 }
 
 __all__ = ["POLICIES", "RequestInfo", "RoutingPolicy", "make_policy"]

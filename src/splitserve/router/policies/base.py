@@ -22,11 +22,14 @@ class RequestInfo:
 
     ``session_key`` names the conversation (decode placement), ``prefix_key`` the part of the
     prompt shared across conversations (prefill placement); either may be None.
+    ``prompt_token_ids``: the prompt as the workers tokenize it, when the router tokenizes
+    (``router.prompt_tokens``, for the kv-events policy); else None.
     """
 
     session_key: str | None = None
     prefix_key: str | None = None
-    prompt_tokens: int = 0  # an estimate: the router does not tokenize
+    prompt_tokens: int = 0  # an estimate from the prompt's characters
+    prompt_token_ids: Sequence[int] | None = None
 
     # One per request: compiled (mypyc), a hand-written ``__init__`` is ~15x faster than
     # ``@dataclass``'s; a frozen class sets its fields through ``object.__setattr__``.
@@ -35,10 +38,12 @@ class RequestInfo:
         session_key: str | None = None,
         prefix_key: str | None = None,
         prompt_tokens: int = 0,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> None:
         object.__setattr__(self, "session_key", session_key)
         object.__setattr__(self, "prefix_key", prefix_key)
         object.__setattr__(self, "prompt_tokens", prompt_tokens)
+        object.__setattr__(self, "prompt_token_ids", prompt_token_ids)
 
 
 class RoutingPolicy(ABC):

@@ -1,0 +1,114 @@
+"""The ``--engine`` flags of ``splitserve worker`` and ``serve``, and what ``vllm`` makes of
+the other flags: those vLLM has an equivalent for pass on, splitserve-only ones are refused
+with a clear message rather than silently ignored."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+ENGINES = ("builtin", "vllm")
+
+# Flags that only the builtin engine implements: (argparse dest, flag, value when unset).
+_BUILTIN_ONLY = (
+    ("split_gemv", "--split-gemv", False),
+    ("scheduling_policy", "--scheduling-policy", "fcfs"),
+    ("host_kv_gb", "--host-kv-gb", 0.0),
+    ("disk_kv_dir", "--disk-kv-dir", None),
+    ("kv_encryption_key_file", "--kv-encryption-key-file", None),
+    ("step_log_dir", "--step-log-dir", None),
+    ("max_waiting", "--max-waiting", None),
+    ("kv_peer", "--kv-peer", False),
+    ("kv_peer_fetch", "--kv-peer-fetch", False),
+)
+_NO_PD = "P/D with vLLM workers is not available yet"
+
+
+def add_engine_choice(p: argparse.ArgumentParser, worker: bool) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--engine",
+        default="builtin",
+        choices=ENGINES,
+        help="builtin: splitserve's own engine; vllm: a real vLLM server per worker, "
+        "from .venv-vllm (make install-vllm)",
+    )
+    g.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PATH",
+        help="the Python of a virtualenv with vLLM (default: the repository's .venv-vllm)",
+    )
+    if worker:
+        g.add_argument(
+            "--cpus",
+            default=None,
+            metavar="IDS",
+            help="--engine vllm: bind the engine's threads to these cores, e.g. 0 or 0-1 "
+            "(default: --threads cores from 0, else vLLM's own binding)",
+        )
+
+
+def check_vllm_flags(args: argparse.Namespace) -> None:
+    """Refuse builtin-only flags with ``--engine vllm``: a clear error, not a silent no-op."""
+    if getattr(args, "role", "both") == "prefill":
+        raise ValueError(f"--engine vllm runs whole requests (--role both or decode); {_NO_PD}")
+    if getattr(args, "prefill", 0):
+        raise ValueError(f"--engine vllm runs decode pools only (no --prefill); {_NO_PD}")
+    for dest, flag, unset in _BUILTIN_ONLY:
+        if getattr(args, dest, unset) != unset:
+            raise ValueError(f"{flag} is a builtin-engine option; --engine vllm has no equivalent")
+    if not getattr(args, "fused_decode", True):
+        raise ValueError("--no-fused-decode is a builtin-engine option")
+
+
+def cpus_of(args: argparse.Namespace) -> str | None:
+    """The cores a vLLM worker binds to: ``--cpus``, else ``--threads`` cores from 0."""
+    if args.cpus is not None:
+        return args.cpus
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        return "0" if args.threads == 1 else f"0-{args.threads - 1}"
+    return None
+
+
+def run_vllm_worker_from_args(args: argparse.Namespace) -> int:
+    from splitserve.cluster.vllm_worker import VllmWorkerSpec, run_vllm_worker, served_name
+    from splitserve.models.hf_export import hf_model_dir
+    from splitserve.models.loader import default_model_path
+
+    check_vllm_flags(args)
+    model = args.model or default_model_path()
+    spec = VllmWorkerSpec(
+        model_dir=hf_model_dir(model),
+        served_model_name=args.served_model_name or served_name(model),
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        kv_cache_gb=args.kv_cache_gb,
+        cpus=cpus_of(args),
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        api_key=args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None,
+        log_level="warning" if args.log_level in ("info", "debug") else args.log_level,
+    )
+    return run_vllm_worker(spec, args.vllm_python)
+
+
+def serve_vllm_args(args: argparse.Namespace) -> list[str]:
+    """The flags ``serve --engine vllm`` passes to each worker it starts (cores come apart)."""
+    check_vllm_flags(args)
+    out = ["--engine", "vllm", "--dtype", args.dtype, "--kv-cache-gb", str(args.kv_cache_gb)]
+    if args.vllm_python:
+        out += ["--vllm-python", args.vllm_python]
+    for flag, value in (
+        ("--threads", args.threads),
+        ("--max-model-len", args.max_model_len),
+        ("--max-num-seqs", args.max_num_seqs),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+    ):
+        if value is not None:
+            out += [flag, str(value)]
+    return out

