@@ -19,6 +19,10 @@
    ``splitserve.router.timing``) are scraped and their p50/p99 printed, with how bursty the
    arrivals were. ``--baseline-src DIR`` also measures a second router, run from another
    checkout's ``src`` (an older commit), alternating with this one in the same rounds.
+   ``--peer vllm-router[:POLICY]`` (repeatable; policy round_robin by default) also measures
+   vLLM's Rust router in front of the same worker, in the same rounds, on the router's CPUs;
+   it adds a table of each router's added latency and our p99 over the peer's (goal: at
+   most 1). ``router_peer`` has the details.
 2. Stickiness (``--ttft``): growing sessions of ``--turns`` turns over ``--real-workers``
    real model workers, through a router with ``--policy session`` and one with
    ``round-robin``. Reports mean TTFT of the last turn over the first (goal for sticky:
@@ -27,7 +31,8 @@
 
     python benchmarks/router_overhead.py [--clients 64] [--placement pinned|shared]
         [--token-interval-ms 20] [--max-tokens 32] [--arrivals lockstep|staggered|poisson]
-        [--baseline-src DIR] [--ttft [--no-overhead] [--kv-cache-gb G]]
+        [--baseline-src DIR] [--peer vllm-router[:POLICY]] [--vllm-router-bin PATH]
+        [--ttft [--no-overhead] [--kv-cache-gb G]]
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import httpx
 import psutil
 
 from splitserve.cluster.local import free_port
+from splitserve.cluster.vllm_router import READY_PATH
 from splitserve.common.gc_pauses import quiet_gc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by file path
@@ -65,6 +71,15 @@ from router_load import (  # noqa: E402
     phase_deltas,
     phase_summary,
     scrape_phases,
+)
+from router_peer import (  # noqa: E402
+    Peer,
+    cpu_description,
+    parse_peer,
+    pct,
+    peer_command,
+    report_peers,
+    resolve_binary,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,6 +129,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also measure the router of another checkout's src/ (e.g. an older commit)",
     )
     p.add_argument(
+        "--peer",
+        type=parse_peer,
+        action="append",
+        default=[],
+        metavar="vllm-router[:POLICY]",
+        help="also measure vllm-router with POLICY (default round_robin; e.g. consistent_hash, "
+        "keyed by each client's body 'user'); repeatable",
+    )
+    p.add_argument(
+        "--vllm-router-bin",
+        default=None,
+        metavar="PATH",
+        help="the vllm-router executable (default: .venv-vllm, then PATH)",
+    )
+    p.add_argument(
         "--profile",
         type=Path,
         default=None,
@@ -136,6 +166,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--clients, --requests, --rounds and --max-tokens must be >= 1")
     if args.token_interval_ms < 0:
         p.error("--token-interval-ms must be >= 0")
+    if args.peer:
+        args.vllm_router_bin = resolve_binary(args.vllm_router_bin)
     return args
 
 
@@ -159,13 +191,22 @@ def _pinned(cpus: set[int] | None) -> Callable[[], None] | None:
 class Proc:
     """A child process serving HTTP on ``port``; stopped (its whole group) on ``stop``."""
 
+    ready_path = "/health"
+    phases = True  # serves splitserve's router phase histograms on /metrics
+
     def __init__(
-        self, argv: list[str], port: int, cpus: set[int] | None = None, env: dict | None = None
+        self,
+        argv: list[str],
+        port: int,
+        cpus: set[int] | None = None,
+        env: dict | None = None,
+        quiet: bool = False,
     ) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.stop_signal = signal.SIGTERM
+        stdout = subprocess.DEVNULL if quiet else None
         self.proc = subprocess.Popen(
-            argv, start_new_session=True, cwd=ROOT, preexec_fn=_pinned(cpus), env=env
+            argv, start_new_session=True, cwd=ROOT, preexec_fn=_pinned(cpus), env=env, stdout=stdout
         )
 
     def wait_ready(self, timeout_s: float = 180.0) -> Proc:
@@ -174,7 +215,7 @@ class Proc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.proc.args} exited with {self.proc.returncode}")
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=1.0).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -260,11 +301,21 @@ def router(
     return proc
 
 
+class PeerRouter(Proc):
+    """vllm-router: ready once it answers /readiness; its /metrics is a worker's."""
+
+    ready_path = READY_PATH
+    phases = False
+
+
+def peer_router(binary: str, peer: Peer, worker_url: str, cpus: set[int] | None) -> Proc:
+    """``peer`` on ``cpus`` (the router's, as ours gets); its start-up chatter discarded."""
+    port = free_port()
+    argv, env = peer_command(binary, peer, port, worker_url)
+    return PeerRouter(argv, port, cpus, env, quiet=True)
+
+
 # ---- part 1: overhead ------------------------------------------------------------------------
-
-
-def pct(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if q < 100 else max(xs)
 
 
 def overhead(args: argparse.Namespace) -> None:
@@ -290,6 +341,8 @@ def measure_overhead(
     fronts = {"router": router([worker_url], cpus=router_cpus, profile=args.profile)}
     if args.baseline_src is not None:
         fronts["baseline"] = router([worker_url], cpus=router_cpus, src=args.baseline_src)
+    for peer in args.peer:
+        fronts[peer.name] = peer_router(args.vllm_router_bin, peer, worker_url, router_cpus)
     for f in fronts.values():
         f.wait_ready()
     try:
@@ -300,7 +353,10 @@ def measure_overhead(
         if worker is not None:
             worker.stop()
     routed = args.rounds * args.clients * args.requests  # warm-ups are not measured
-    report_overhead(runs, {k: (v[0] / routed, v[1] / routed) for k, v in cpu_s.items()})
+    cpu_per_request = {k: (v[0] / routed, v[1] / routed) for k, v in cpu_s.items()}
+    report_overhead(runs, cpu_per_request)
+    if args.peer:
+        report_peers(runs, [peer.name for peer in args.peer], cpu_per_request)
     for name, histograms in phases.items():
         report_phases(name, histograms)
     if args.profile is not None:
@@ -324,7 +380,7 @@ def measure_paths(args: argparse.Namespace, worker_url: str, fronts: dict[str, P
     urls = {"direct": worker_url, **{k: f.url for k, f in fronts.items()}}
     runs: dict[str, list[Run]] = {name: [] for name in urls}
     cpu_s = dict.fromkeys(fronts, (0.0, 0.0))
-    phases: dict[str, dict] = {name: {} for name in fronts}
+    phases: dict[str, dict] = {name: {} for name, f in fronts.items() if f.phases}
     for _ in range(args.rounds):
         for name, url in urls.items():
             front = fronts.get(name)
@@ -332,14 +388,16 @@ def measure_paths(args: argparse.Namespace, worker_url: str, fronts: dict[str, P
 
             def warmed(front: Proc | None = front, url: str = url, before: list = before) -> None:
                 if front is not None:
-                    before[:] = [front.cpu_s(), scrape_phases(url)]
+                    before[:] = [front.cpu_s(), scrape_phases(url) if front.phases else {}]
 
             runs[name].append(asyncio.run(load_run(url, args.clients, plan, warm, warmed)))
             if front is not None:
                 (cpu, system), (cpu0, system0) = front.cpu_s(), before[0]
                 total, total_system = cpu_s[name]
                 cpu_s[name] = (total + cpu - cpu0, total_system + system - system0)
-                phases[name] = merge(phases[name], phase_deltas(before[1], scrape_phases(url)))
+                if front.phases:
+                    after = scrape_phases(url)
+                    phases[name] = merge(phases[name], phase_deltas(before[1], after))
     return runs, cpu_s, phases
 
 
@@ -350,12 +408,13 @@ def report_overhead(
     first = {k: [t.first_s for r in rs for t in r.timings] for k, rs in runs.items()}
     rps = {k: statistics.mean(r.rps for r in rs) for k, rs in runs.items()}
     heads = ("requests", "p50 ms", "p99 ms", "TTFB p50", "TTFB p99", "req/s", "burst p50/p99")
-    print(f"{'':<9}" + "".join(f"{h:>10}" for h in heads[:-1]) + f"{heads[-1]:>15}")
+    width = max(9, *(len(name) + 1 for name in runs))
+    print(f"{'':<{width}}" + "".join(f"{h:>10}" for h in heads[:-1]) + f"{heads[-1]:>15}")
     for name in runs:
         lat, ttfb = total[name], first[name]
         burst = bursts([t for r in runs[name] for t in r.timings])
         print(
-            f"{name:<9}{len(lat):>10}{pct(lat, 50) * 1e3:>10.2f}{pct(lat, 99) * 1e3:>10.2f}"
+            f"{name:<{width}}{len(lat):>10}{pct(lat, 50) * 1e3:>10.2f}{pct(lat, 99) * 1e3:>10.2f}"
             f"{pct(ttfb, 50) * 1e3:>10.2f}{pct(ttfb, 99) * 1e3:>10.2f}{rps[name]:>10.1f}"
             f"{pct(burst, 50):>9.0f} /{pct(burst, 99):>3.0f}"
         )
@@ -473,6 +532,7 @@ def stickiness(args: argparse.Namespace) -> None:
 def main() -> None:
     args = parse_args()
     print(f"config: {vars(args)}  cpus={os.cpu_count()}")
+    print(f"cpu: {cpu_description()}")
     quiet_gc()  # the load generator's collector pauses would land in both paths' tails
     if not args.no_overhead:
         overhead(args)

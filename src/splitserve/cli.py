@@ -148,6 +148,7 @@ def serve_topology(args: argparse.Namespace):
         kv_peer=args.kv_peer_fetch,
         kv_peer_timeout_s=args.kv_peer_timeout,
         engine=args.engine,
+        kv_events_tokenizer=_router_tokenizer(args),
         router_args=[
             *("--remote-prefill-threshold", str(args.remote_prefill_threshold)),
             *("--policy", args.policy),
@@ -156,6 +157,16 @@ def serve_topology(args: argparse.Namespace):
             *(["--kv-peer-fetch"] if args.kv_peer_fetch else []),
         ],
     )
+
+
+def _router_tokenizer(args: argparse.Namespace) -> str | None:
+    """With ``--policy kv-events``, the model directory the router tokenizes prompts with."""
+    if args.policy != "kv-events" or not args.decode:
+        return None
+    from splitserve.models.hf_export import hf_model_dir
+    from splitserve.models.loader import default_model_path
+
+    return hf_model_dir(args.model or default_model_path())
 
 
 def serve_worker_args(args: argparse.Namespace) -> list[str]:

@@ -93,8 +93,21 @@ def run_vllm_worker_from_args(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         api_key=args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None,
         log_level="warning" if args.log_level in ("info", "debug") else args.log_level,
+        extra_args=kv_events_args(args.kv_events_endpoint),
     )
     return run_vllm_worker(spec, args.vllm_python)
+
+
+def kv_events_args(endpoint: str | None) -> list[str]:
+    """vLLM's flags for our ``--kv-events-endpoint tcp://HOST:PORT``: it publishes on PORT."""
+    if endpoint is None:
+        return []
+    from splitserve.common.kv_events import vllm_kv_events_config
+
+    scheme, _, port = endpoint.rpartition(":")
+    if not scheme.startswith("tcp://") or not port.isdigit():
+        raise ValueError(f"--kv-events-endpoint wants tcp://HOST:PORT, got {endpoint!r}")
+    return ["--kv-events-config", vllm_kv_events_config(int(port))]
 
 
 def serve_vllm_args(args: argparse.Namespace) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.bench.cli import loads_from_args, workload_from_args
-from splitserve.bench.compare import DEPLOYMENTS, parse_deployments, serve_argv
+from splitserve.bench.compare import DEPLOYMENTS, parse_deployments, serve_argv, stages_of
 from splitserve.bench.workloads import AgenticConfig, LogNormal, MultiRoundQAConfig
 from splitserve.cli import build_parser, main
 
@@ -66,6 +66,9 @@ def test_deployments_share_the_cores_the_same_way():
     ]
     for dep in DEPLOYMENTS.values():
         prefill, decode = dep.pools(4)
+        if dep.front == "none":  # one worker given the cores
+            assert (prefill, decode) == (0, 1)
+            continue
         assert prefill + decode == 4 and (prefill > 0) == dep.disaggregated
     argv = serve_argv(DEPLOYMENTS["collocated-rr"], 2, 1, 8123)
     assert argv[3:] == [
@@ -87,6 +90,8 @@ def test_every_deployment_is_a_valid_serve_command():
     from splitserve.cli import build_parser, serve_worker_args
 
     for dep in DEPLOYMENTS.values():
+        if dep.front != "splitserve":
+            continue
         argv = serve_argv(dep, 2, 1, 8123)
         args = build_parser().parse_args(argv[argv.index("serve") :])
         assert args.decode + args.prefill == 2, dep.name
@@ -98,3 +103,28 @@ def test_every_deployment_is_a_valid_serve_command():
         serve_argv(DEPLOYMENTS["collocated-session-tiers-peer"], 2, 1, 8123)[3:]
     )
     assert peer.kv_peer_fetch and peer.host_kv_gb == 2.0 and peer.policy == "session"
+
+
+def test_vllm_deployments_start_the_processes_a_user_would_run(monkeypatch):
+    def last_argv(name: str) -> list[str]:
+        stages = stages_of(parse_deployments(name)[0], 2, 1, 8123, "k")
+        return stages[-1].workers[0].argv
+
+    single = build_parser().parse_args(last_argv("vllm-single")[3:])
+    assert (single.command, single.engine, single.threads) == ("worker", "vllm", None)
+    assert build_parser().parse_args(last_argv("vllm-single-all")[3:]).threads == 2
+    session = build_parser().parse_args(last_argv("vllm-session")[3:])
+    assert (session.engine, session.decode, session.policy) == ("vllm", 2, "session")
+    monkeypatch.setattr(
+        "splitserve.cluster.vllm_router.find_vllm_router", lambda explicit=None: "/bin/vr"
+    )
+    stages = stages_of(parse_deployments("vllm-router:cache_aware")[0], 2, 1, 8123, "k")
+    workers, (router,) = stages[0].workers, stages[1].workers
+    assert router.argv[0] == "/bin/vr" and "cache_aware" in router.argv
+    assert [w.url for w in workers] == router.argv[
+        router.argv.index("--worker-urls") + 1 : router.argv.index("--worker-urls") + 3
+    ]
+    cores = [build_parser().parse_args(w.argv[3:]).cpus for w in workers]
+    assert len(set(cores)) == 2  # a core each
+    with pytest.raises(ValueError, match="unknown vllm-router policy 'nope'"):
+        parse_deployments("vllm-router:nope")

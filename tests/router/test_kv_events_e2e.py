@@ -18,7 +18,7 @@ from procs import free_port, start_worker, stop_group, wait_healthy
 from splitserve.common.kv_hash import hash_blocks
 from splitserve.router.kv_index import ROOT, KVIndex
 from splitserve.router.prompt_tokens import ChatTokenizer
-from splitserve.router.proxy import DECODE_HEADER
+from splitserve.router.proxy import DECODE_HEADER, PREDICTED_HEADER
 
 from .conftest import HTTP, wait_until
 
@@ -118,6 +118,7 @@ def test_placement_and_predicted_cache_match_the_workers(workers, make_router):
             reply, worker = r.json(), r.headers[DECODE_HEADER]
             assert reply["prompt_token_ids"] == ids
             cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert r.headers[PREDICTED_HEADER] == str(predicted[worker])
             if turn == 0:
                 home[c] = worker
                 assert cached == 0 and set(predicted.values()) == {0}

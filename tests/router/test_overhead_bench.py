@@ -88,3 +88,53 @@ def test_bucket_quantile_interpolates_like_prometheus():
     assert load.bucket_quantile(0.7, buckets) == pytest.approx(0.0015)
     assert load.bucket_quantile(0.99, buckets) == pytest.approx(0.0047)
     assert math.isnan(load.bucket_quantile(0.5, {math.inf: 0.0}))
+
+
+# ---- --peer vllm-router ----------------------------------------------------------------------
+
+peer = sys.modules["router_peer"]
+
+
+def _vllm_router() -> str | None:
+    try:
+        return peer.find_vllm_router()
+    except ValueError:
+        return None
+
+
+def test_peer_defaults_to_round_robin_and_checks_the_policy():
+    assert peer.parse_peer("vllm-router") == peer.Peer("round_robin")
+    assert peer.parse_peer("vllm-router:consistent_hash").name == "vllm-router:consistent_hash"
+    for spec in ("vllm-router:fastest", "sglang-router"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--peer", spec])
+
+
+def test_peer_without_vllm_router_exits_with_one_line(tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--peer", "vllm-router", "--vllm-router-bin", str(tmp_path / "none")])
+    message = str(exc.value.code)
+    assert "vllm-router is not installed" in message and "\n" not in message
+
+
+def test_cpu_description_names_the_model_and_isa_flags(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    info = "processor\t: {}\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f hypervisor\n\n"
+    cpuinfo.write_text(info.format(0) + info.format(1))
+    described = peer.cpu_description(cpuinfo)
+    assert described == "AMD EPYC, 2 logical CPUs; flags: avx2 avx512f hypervisor"
+
+
+@pytest.mark.skipif(_vllm_router() is None, reason="vllm-router is not installed")
+def test_peer_is_measured_in_the_same_rounds(capsys):
+    argv = ["--clients", "2", "--requests", "2", "--rounds", "1", "--max-tokens", "2"]
+    argv += ["--token-interval-ms", "0", "--placement", "shared", "--peer", "vllm-router"]
+    bench.overhead(bench.parse_args(argv))
+    out = capsys.readouterr().out
+    name = "vllm-router:round_robin"
+    table = out[out.index("added over direct") :].splitlines()
+    assert [row.split()[0] for row in table[1:3]] == ["router", name]
+    assert all(len(row.split()) == 7 for row in table[1:3])  # name and six figures
+    assert f"{name}: added latency p50" in out and "router: added latency p50" in out
+    assert f"p99 added latency, router / {name} (end to end):" in out
+    assert f"p99 added latency, router / {name} (first chunk):" in out

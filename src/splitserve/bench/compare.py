@@ -57,6 +57,7 @@ class Deployment:
     engine: str = "builtin"
     front: str = "splitserve"
     front_policy: str | None = None
+    bind_all: bool = False  # front "none": the worker binds every core (else its defaults)
 
     def pools(self, workers: int) -> tuple[int, int]:
         """(prefill, decode) workers out of ``workers``: half and half when disaggregated."""
@@ -118,10 +119,11 @@ DEPLOYMENTS = {
         Deployment(
             "vllm-single-all",
             False,
-            ("--all-cores",),
+            (),
             "one vLLM server bound to every core, no router",
             engine="vllm",
             front="none",
+            bind_all=True,
         ),
         Deployment(
             "vllm-rr",
@@ -226,7 +228,7 @@ def stages_of(
         argv = serve_argv(dep, workers, threads, port, extra)
         return [LocalDeployment([WorkerProcess(dep.name, argv, url, env)])]
     if dep.front == "none":
-        cores = ["--threads", str(workers * threads)] if "--all-cores" in dep.serve_args else []
+        cores = ["--threads", str(workers * threads)] if dep.bind_all else []
         argv = worker_argv("127.0.0.1", port, None, [*_engine_args(dep), *cores, *extra])
         return [LocalDeployment([WorkerProcess(dep.name, argv, url, env)])]
     return _behind_vllm_router(dep, workers, threads, port, env, extra)
@@ -234,17 +236,27 @@ def stages_of(
 
 def _behind_vllm_router(dep: Deployment, workers: int, threads: int, port: int, env, extra):
     from splitserve.cluster.vllm_router import find_vllm_router, vllm_router_argv, vllm_router_env
+    from splitserve.cluster.vllm_worker import VLLM_CPU_BLOCK_SIZE, served_name
+    from splitserve.models.loader import default_model_path
 
     binary = find_vllm_router()
     topology = Topology(decode=workers, threads_per_worker=threads, engine=dep.engine)
-    pool = []
+    pool, sources = [], []
     for i in range(workers):
         wport = free_port()
         args = [*_engine_args(dep), *topology.core_args(i), *extra]
+        if dep.front_policy == "kv_aware":  # it reads the workers' KV events too
+            events = f"tcp://127.0.0.1:{free_port()}"
+            args += ["--kv-events-endpoint", events]
+            sources += ["--kv-event-source", f"http://127.0.0.1:{wport}={events}"]
         argv = worker_argv("127.0.0.1", wport, None, args, role="decode")
         pool.append(WorkerProcess(f"{dep.name}-{i}", argv, f"http://127.0.0.1:{wport}", env))
+    if sources:
+        sources += ["--kv-event-model", served_name(default_model_path())]
+        sources += ["--kv-event-block-size", str(VLLM_CPU_BLOCK_SIZE)]
     assert dep.front_policy is not None
-    argv = vllm_router_argv(binary, "127.0.0.1", port, [w.url for w in pool], dep.front_policy)
+    urls = [w.url for w in pool]
+    argv = vllm_router_argv(binary, "127.0.0.1", port, urls, dep.front_policy, sources)
     router = WorkerProcess(dep.name, argv, f"http://127.0.0.1:{port}", vllm_router_env())
     return [LocalDeployment(pool), LocalDeployment([router])]
 

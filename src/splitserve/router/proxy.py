@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DECODE_HEADER = "X-Splitserve-Decode-Worker"
+# With the kv-events policy: the prompt tokens the router's index expected the decode worker
+# to hold when it placed the request (compare ``usage.prompt_tokens_details.cached_tokens``).
+PREDICTED_HEADER = "X-Splitserve-Predicted-Cached-Tokens"
 PREFILL_HEADER = "X-Splitserve-Prefill-Worker"
 _PASSED_RESPONSE_HEADERS = ("content-type", "content-encoding", "cache-control")
 _HINT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
@@ -71,6 +74,7 @@ class Placement:
     headers: dict[str, str] | None = None
     excluded: list[str] | None = None  # decode workers tried so far
     timeline: Timeline | None = None
+    predicted: tuple[str, int] | None = None  # (decode worker, tokens its KV events showed)
 
 
 class Proxy:
@@ -109,6 +113,7 @@ class Proxy:
         decode = self._pick("decode", placement.info, excluded)
         if decode is None:
             raise no_worker("decode")
+        placement.predicted = self._predicted(decode, placement.info)
         timeline.routed = now()
         if self.config.prefetch_hints and placement.info.session_key is not None:
             self._prefetch_hint(decode, body, headers)
@@ -194,6 +199,12 @@ class Proxy:
             ring = self._home_ring.sync([w for w in self.membership.all() if w.serves("decode")])
             home = ring.owner(info.session_key)
         return Placement(info, home, timeline=timeline)
+
+    def _predicted(self, worker: Worker, info: RequestInfo) -> tuple[str, int] | None:
+        index = getattr(self.policies["decode"], "index", None)  # the kv-events policy's
+        if index is None or not info.prompt_token_ids:
+            return None
+        return worker.url, index.matches([worker.url], info.prompt_token_ids)[worker.url]
 
     def _pick(self, role: str, info: RequestInfo, excluded: list[str]) -> Worker | None:
         worker = self.policies[role].select_worker(self.membership.candidates(role, excluded), info)
@@ -442,6 +453,8 @@ class Proxy:
         out = {k: upstream.headers[k] for k in _PASSED_RESPONSE_HEADERS if k in upstream.headers}
         out["x-request-id"] = upstream.request_info.headers.get("x-request-id", "")
         out[DECODE_HEADER] = worker.url
+        if placement.predicted is not None and placement.predicted[0] == worker.url:
+            out[PREDICTED_HEADER] = str(placement.predicted[1])
         if placement.prefill is not None:
             out[PREFILL_HEADER] = placement.prefill.url
         return out
