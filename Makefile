@@ -98,10 +98,12 @@ bench-agentic: $(STAMP)
 
 # The agentic workload over vLLM workers (make install-vllm): a single stock vLLM, vLLM
 # workers behind splitserve's router and behind the vllm-router package, same 2 cores.
-VLLM_DEPLOYMENTS := vllm-single,vllm-single-all,vllm-rr,vllm-session,vllm-kv-events,\
-vllm-router:round_robin,vllm-router:consistent_hash,vllm-router:sticky_least_loaded,\
-vllm-router:cache_aware,vllm-router:kv_aware
-VLLM_RATE ?= 0.6
+VLLM_ROUTERS := round_robin consistent_hash sticky_least_loaded cache_aware kv_aware
+comma := ,
+space := $(subst ,, )
+VLLM_DEPLOYMENTS := vllm-single,vllm-single-all,vllm-session,vllm-kv-events,$(subst \
+	$(space),$(comma),$(addprefix vllm-router:,$(VLLM_ROUTERS)))
+VLLM_RATE ?= 0.5
 bench-vllm: $(STAMP) $(VLLM_STAMP)
 	mkdir -p benchmarks/out
 	$(BIN)/splitserve bench compare --deployments $(VLLM_DEPLOYMENTS) --cores 2 $(AGENTIC) \

@@ -19,7 +19,9 @@ def test_argv_carries_the_model_resources_and_limits():
     spec = VllmWorkerSpec("/m", "name", port=8123, kv_cache_gb=0.5, cpus="1", max_num_seqs=8)
     argv = vllm_argv("/py", spec)
     assert argv[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
-    flags = dict(zip(argv[3::2], argv[4::2], strict=False))
+    pairs = zip(argv[3:], argv[4:], strict=False)
+    flags = {a: b for a, b in pairs if a.startswith("--") and not b.startswith("--")}
+    assert "--enable-prompt-tokens-details" in argv  # usage reports vLLM's cached_tokens
     assert flags["--model"] == "/m" and flags["--served-model-name"] == "name"
     assert flags["--port"] == "8123" and flags["--kv-cache-memory-bytes"] == str(1 << 29)
     assert flags["--max-num-seqs"] == "8" and "--max-model-len" not in flags
