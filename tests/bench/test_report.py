@@ -7,6 +7,7 @@ import json
 from splitserve.bench.load import RunResult
 from splitserve.bench.metrics import SLO, RequestRecord, summarize
 from splitserve.bench.report import (
+    FIGURES,
     MEAN_HEADERS,
     markdown_table,
     mean_rows,
@@ -67,3 +68,14 @@ def test_json_is_strict_and_plots_are_written(tmp_path):
     paths = plot(tmp_path / "p.png", {"a": [(1.0, run), (2.0, _run(0.3, 6))], "b": [(1.0, run)]})
     assert [p.name for p in paths] == ["p.png", "p_ttft_cdf.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def test_cache_hits_come_from_the_workers_counters_or_else_the_responses():
+    recs = [RequestRecord("s", 0, 0.0, True, 100, 5, 40, 0.1, [0.01] * 4, 0.14)]
+    client_only = summarize(recs, 10.0, SLO(ttft_ms=500))  # vLLM workers: no such counter
+    counted = summarize(
+        recs, 10.0, SLO(ttft_ms=500), {"prompt_tokens": 100.0, "prefix_cache_hit_rate": 0.5}
+    )
+    column = 2 + [h for h, _, _ in FIGURES].index("cache hit %")
+    assert rows([("vllm", "r", client_only)])[0][column] == "40"
+    assert rows([("builtin", "r", counted)])[0][column] == "50"

@@ -26,10 +26,20 @@ FIGURES: list[tuple[str, Callable[[Summary], float], bool]] = [
     ("TTFT p99 ms", lambda s: s.ttft.percentiles[99], False),
     ("TPOT p50 ms", lambda s: s.tpot.median, False),
     ("JCT mean s", lambda s: s.jct.mean / 1000, False),
-    ("cache hit %", lambda s: 100 * s.server.get("prefix_cache_hit_rate", math.nan), True),
+    ("cache hit %", lambda s: 100 * _cache_hit_rate(s), True),
     ("turns moved %", lambda s: 100 * s.server.get("turns_moved_fraction", math.nan), False),
     ("KV MB moved", lambda s: s.server.get("kv_bytes_transferred", math.nan) / 1e6, True),
 ]
+
+
+def _cache_hit_rate(s: Summary) -> float:
+    """Cached prompt tokens / prompt tokens: from the workers' counters, or from the
+    responses' ``cached_tokens`` where the workers have no such counter (vLLM)."""
+    if s.server.get("prompt_tokens"):
+        return s.server.get("prefix_cache_hit_rate", math.nan)
+    return s.cached_tokens / s.total_input_tokens if s.total_input_tokens else math.nan
+
+
 RATIO_FIGURES = {"goodput req/s", "session goodput /s", "req/s", "TTFT p50 ms", "TTFT p99 ms"}
 
 
