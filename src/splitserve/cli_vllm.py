@@ -1,11 +1,17 @@
 """The ``--engine`` flags of ``splitserve worker`` and ``serve``, and what ``vllm`` makes of
 the other flags: those vLLM has an equivalent for pass on, splitserve-only ones are refused
-with a clear message rather than silently ignored."""
+with a clear message rather than silently ignored. A vLLM worker with ``--role prefill`` or
+``decode`` belongs to a P/D deployment and moves KV with vLLM's NixlConnector; ``--role
+both`` runs whole requests, with no connector."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from splitserve.cluster.vllm_worker import NixlSide
 
 ENGINES = ("builtin", "vllm")
 
@@ -20,8 +26,13 @@ _BUILTIN_ONLY = (
     ("max_waiting", "--max-waiting", None),
     ("kv_peer", "--kv-peer", False),
     ("kv_peer_fetch", "--kv-peer-fetch", False),
+    ("kv_transport", "--kv-transport", "tcp"),
+    ("kv_encrypt", "--kv-encrypt", False),
+    ("kv_shm_checksums", "--kv-shm-checksums", False),
+    ("kv_secret_file", "--kv-secret-file", None),
+    ("kv_lease_ttl", "--kv-lease-ttl", 30.0),
+    ("kv_test_fault", "--kv-test-fault", None),
 )
-_NO_PD = "P/D with vLLM workers is not available yet"
 
 
 def add_engine_choice(p: argparse.ArgumentParser, worker: bool) -> None:
@@ -51,10 +62,6 @@ def add_engine_choice(p: argparse.ArgumentParser, worker: bool) -> None:
 
 def check_vllm_flags(args: argparse.Namespace) -> None:
     """Refuse builtin-only flags with ``--engine vllm``: a clear error, not a silent no-op."""
-    if getattr(args, "role", "both") == "prefill":
-        raise ValueError(f"--engine vllm runs whole requests (--role both or decode); {_NO_PD}")
-    if getattr(args, "prefill", 0):
-        raise ValueError(f"--engine vllm runs decode pools only (no --prefill); {_NO_PD}")
     for dest, flag, unset in _BUILTIN_ONLY:
         if getattr(args, dest, unset) != unset:
             raise ValueError(f"{flag} is a builtin-engine option; --engine vllm has no equivalent")
@@ -94,8 +101,22 @@ def run_vllm_worker_from_args(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None,
         log_level="warning" if args.log_level in ("info", "debug") else args.log_level,
         extra_args=kv_events_args(args.kv_events_endpoint),
+        nixl=nixl_side(args),
     )
     return run_vllm_worker(spec, args.vllm_python)
+
+
+def nixl_side(args: argparse.Namespace) -> NixlSide | None:
+    """A P/D worker's NixlConnector side channel: ``--kv-host`` (default ``--host``) and
+    ``--kv-port`` (default: a free port); None for ``--role both``."""
+    from splitserve.cluster.local import free_port
+    from splitserve.cluster.vllm_worker import NixlSide
+
+    if args.role == "both":
+        return None
+    host = args.kv_host or args.host
+    port = args.kv_port or free_port(host)
+    return NixlSide(host, port, failure_policy=args.kv_load_failure_policy)
 
 
 def kv_events_args(endpoint: str | None) -> list[str]:

@@ -8,7 +8,8 @@ import pytest
 from splitserve.bench.cli import loads_from_args, workload_from_args
 from splitserve.bench.compare import DEPLOYMENTS, parse_deployments, serve_argv, stages_of
 from splitserve.bench.workloads import AgenticConfig, LogNormal, MultiRoundQAConfig
-from splitserve.cli import build_parser, main
+from splitserve.cli import build_parser, main, serve_topology, serve_worker_args
+from splitserve.cluster.local import pool_workers
 
 
 def _args(*argv):
@@ -115,6 +116,13 @@ def test_vllm_deployments_start_the_processes_a_user_would_run(monkeypatch):
     assert build_parser().parse_args(last_argv("vllm-single-all")[3:]).threads == 2
     session = build_parser().parse_args(last_argv("vllm-session")[3:])
     assert (session.engine, session.decode, session.policy) == ("vllm", 2, "session")
+    disagg = build_parser().parse_args(last_argv("vllm-disagg")[3:])
+    assert (disagg.engine, disagg.prefill, disagg.decode) == ("vllm", 1, 1)
+    assert (disagg.policy, disagg.threads_per_worker) == ("session", 1)
+    pool = pool_workers("127.0.0.1", None, serve_worker_args(disagg), {}, serve_topology(disagg))
+    p, d = (build_parser().parse_args(w.argv[3:]) for w in pool)
+    assert (p.role, d.role, p.engine, d.engine) == ("prefill", "decode", "vllm", "vllm")
+    assert p.cpus != d.cpus and p.kv_port != d.kv_port  # own core, own NIXL side channel
     monkeypatch.setattr(
         "splitserve.cluster.vllm_router.find_vllm_router", lambda explicit=None: "/bin/vr"
     )
@@ -124,7 +132,8 @@ def test_vllm_deployments_start_the_processes_a_user_would_run(monkeypatch):
     assert [w.url for w in workers] == router.argv[
         router.argv.index("--worker-urls") + 1 : router.argv.index("--worker-urls") + 3
     ]
-    cores = [build_parser().parse_args(w.argv[3:]).cpus for w in workers]
-    assert len(set(cores)) == 2  # a core each
+    parsed = [build_parser().parse_args(w.argv[3:]) for w in workers]
+    assert len({w.cpus for w in parsed}) == 2  # a core each
+    assert all(w.role == "both" for w in parsed)  # whole requests: no KV connector
     with pytest.raises(ValueError, match="unknown vllm-router policy 'nope'"):
         parse_deployments("vllm-router:nope")

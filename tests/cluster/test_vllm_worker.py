@@ -1,12 +1,18 @@
-"""``--engine vllm`` without starting vLLM: the command line, environment, core split, flags
-refused, and a missing vLLM as a clear error. tests/cluster/test_vllm_serve.py runs it."""
+"""``--engine vllm`` without starting vLLM: the command line, environment, core split, P/D
+wiring, flags refused, and a missing vLLM as a clear error. tests/cluster/test_vllm_serve.py
+and test_vllm_disagg.py run it."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from splitserve.cli import build_parser, main, serve_topology, serve_worker_args
+from splitserve.cli_vllm import nixl_side
+from splitserve.cluster.local import pool_workers
 from splitserve.cluster.vllm_worker import (
+    NixlSide,
     VllmWorkerSpec,
     find_vllm_python,
     parse_cpus,
@@ -62,13 +68,63 @@ def test_serve_gives_each_vllm_worker_cores_of_its_own(monkeypatch):
     assert builtin.core_args(0) == []
 
 
+def test_a_pd_worker_gets_the_nixl_connector_its_side_channel_and_tcp(monkeypatch):
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    spec = VllmWorkerSpec("/m", "n", cpus="0", nixl=NixlSide("127.0.0.1", 5601))
+    argv = vllm_argv("/py", spec)
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert config == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": "recompute",  # splitserve's default: never fail a request
+    }
+    env = vllm_env(spec)
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601" and env["UCX_TLS"] == "tcp,self"
+    collocated = VllmWorkerSpec("/m", "n", cpus="0")
+    assert "--kv-transfer-config" not in vllm_argv("/py", collocated)
+    assert not {"VLLM_NIXL_SIDE_CHANNEL_PORT", "UCX_TLS"} & set(vllm_env(collocated))
+    with pytest.raises(ValueError, match="--kv-port must be a TCP port"):
+        NixlSide("127.0.0.1", 0)
+
+
+def test_worker_roles_prefill_and_decode_are_pd_members_and_both_is_not():
+    def side(*argv):
+        return nixl_side(build_parser().parse_args(["worker", "--engine", "vllm", *argv]))
+
+    assert side("--role", "prefill", "--kv-port", "5601") == NixlSide("127.0.0.1", 5601)
+    assert side("--role", "decode", "--host", "10.0.0.2", "--kv-port", "5602").host == "10.0.0.2"
+    assert side("--role", "decode").port > 0  # a free port when none is given
+    assert side("--role", "decode", "--kv-load-failure-policy", "fail").failure_policy == "fail"
+    assert side() is None  # --role both: whole requests, no connector
+
+
+def _serve_workers(*argv):
+    args = build_parser().parse_args(["serve", "--engine", "vllm", *argv])
+    return pool_workers("127.0.0.1", None, serve_worker_args(args), {}, serve_topology(args))
+
+
+def test_serve_pd_gives_each_vllm_worker_its_role_cores_and_side_channel():
+    workers = _serve_workers("--prefill", "1", "--decode", "1", "--threads-per-worker", "1")
+    prefill, decode = (build_parser().parse_args(w.argv[3:]) for w in workers)
+    assert (prefill.role, decode.role) == ("prefill", "decode")
+    assert prefill.cpus != decode.cpus
+    assert nixl_side(prefill).port != nixl_side(decode).port
+    assert not any("--kv-transport" in w.argv for w in workers)  # builtin-only
+    for w in _serve_workers("--decode", "2"):  # no prefill workers: collocated, as before
+        alone = build_parser().parse_args(w.argv[3:])
+        assert alone.role == "both" and nixl_side(alone) is None
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["worker", "--role", "prefill"], "P/D with vLLM workers is not available yet"),
         (["worker", "--host-kv-gb", "2"], "--host-kv-gb is a builtin-engine option"),
         (["worker", "--scheduling-policy", "shortest-prefill"], "--scheduling-policy"),
-        (["serve", "--prefill", "1", "--decode", "1"], "P/D with vLLM workers"),
+        (["worker", "--role", "prefill", "--kv-transport", "shm"], "--kv-transport is a builtin"),
+        (["worker", "--role", "decode", "--kv-encrypt"], "--kv-encrypt is a builtin-engine"),
+        (["serve", "--prefill", "1", "--decode", "1", "--kv-transport", "shm"], "--kv-transport"),
         (["serve", "--decode", "2", "--kv-peer-fetch"], "--kv-peer-fetch is a builtin-engine"),
     ],
 )

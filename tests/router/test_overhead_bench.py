@@ -138,3 +138,4 @@ def test_peer_is_measured_in_the_same_rounds(capsys):
     assert f"{name}: added latency p50" in out and "router: added latency p50" in out
     assert f"p99 added latency, router / {name} (end to end):" in out
     assert f"p99 added latency, router / {name} (first chunk):" in out
+    assert f"p99 added end to end, router - {name}, round by round: median" in out

@@ -189,6 +189,14 @@ def test_worker_api_key_replaces_the_clients(workers3, make_router):
     assert last["x-request-id"] == "req-7"
 
 
+def test_the_worker_is_asked_for_no_compression_the_client_did_not_ask_for(workers3, make_router):
+    # The router passes content-encoding through undecoded, so it must not ask on its own.
+    router = make_router(workers=urls(workers3[:1]))
+    post(router, chat(), {"Accept-Encoding": "identity"})
+    last = workers3[0].seen()[-1]["headers"]
+    assert "accept-encoding" not in last and "user-agent" not in last
+
+
 def test_models_come_from_a_worker(workers3, make_router):
     router = make_router(workers=urls(workers3))
     r = HTTP.get(router.url + "/v1/models", timeout=10.0)

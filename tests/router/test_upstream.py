@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 import uvicorn
 
@@ -43,3 +44,13 @@ def test_idle_connections_retire_before_a_worker_closes_them():
 def test_bad_pool_options_are_rejected(option, value, message):
     with pytest.raises(ValueError, match=message):
         RouterConfig(workers=["h:1"], **{option: value})
+
+
+def test_only_connections_closed_under_a_request_count_as_dropped():
+    refused = aiohttp.ClientConnectorError.__new__(aiohttp.ClientConnectorError)
+    assert upstream.dropped(aiohttp.ServerDisconnectedError())
+    assert upstream.dropped(aiohttp.ClientOSError(32, "Can not write request body"))
+    assert upstream.dropped(aiohttp.ClientConnectionResetError("Cannot write to closing transport"))
+    assert not upstream.dropped(refused)  # never opened: nothing to redial
+    assert not upstream.dropped(TimeoutError())
+    assert not upstream.dropped(aiohttp.ClientPayloadError("body cut short"))

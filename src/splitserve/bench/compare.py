@@ -146,6 +146,13 @@ DEPLOYMENTS = {
             "vLLM workers, splitserve's router placing turns by the workers' KV events",
             engine="vllm",
         ),
+        Deployment(
+            "vllm-disagg",
+            True,
+            ("--policy", "session"),
+            "vLLM P/D pools (NixlConnector over UCX/TCP), splitserve's router, session affinity",
+            engine="vllm",
+        ),
     )
 }
 VLLM_ROUTER = "vllm-router:"  # vllm-router:POLICY, any of the package's policies
@@ -249,7 +256,7 @@ def _behind_vllm_router(dep: Deployment, workers: int, threads: int, port: int, 
             events = f"tcp://127.0.0.1:{free_port()}"
             args += ["--kv-events-endpoint", events]
             sources += ["--kv-event-source", f"http://127.0.0.1:{wport}={events}"]
-        argv = worker_argv("127.0.0.1", wport, None, args, role="decode")
+        argv = worker_argv("127.0.0.1", wport, None, args, role=topology.worker_role("decode"))
         pool.append(WorkerProcess(f"{dep.name}-{i}", argv, f"http://127.0.0.1:{wport}", env))
     if sources:
         sources += ["--kv-event-model", served_name(default_model_path())]

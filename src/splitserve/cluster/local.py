@@ -198,8 +198,18 @@ class Topology:
         cores = sorted({(index * threads + k) % ncpu for k in range(threads)})
         return ["--cpus", ",".join(map(str, cores))]
 
+    def worker_role(self, role: str) -> str:
+        """The ``--role`` a worker of pool ``role`` runs with. A vLLM worker's role says
+        whether it moves KV (NixlConnector), so a decode pool without prefill workers runs
+        ``both``: the same whole-request servers as without the router."""
+        if self.engine == "vllm" and not self.prefill:
+            return "both"
+        return role
+
     def role_args(self, role: str) -> list[str]:
         """Flags only the workers of ``role`` get."""
+        if self.engine == "vllm":
+            return []  # vLLM's KV moves by NixlConnector; peer fetch is builtin-only
         if role == "prefill":
             return ["--kv-transport", self.kv_transport]
         if not self.kv_peer:
@@ -274,17 +284,7 @@ def _pools(
     """Prefill and decode workers on free ports sharing a fresh cluster secret, and the
     router on ``port``."""
     env = {**env, "SPLITSERVE_KV_SECRET": secrets.token_hex(32)}
-    extra = list(worker_args)
-    workers: list[WorkerProcess] = []
-    for role, count in (("prefill", topology.prefill), ("decode", topology.decode)):
-        for i in range(count):
-            wport = free_port(host)
-            cores = topology.core_args(len(workers))
-            args = own_disk_dir(extra + cores + topology.role_args(role), f"{role}-{i}")
-            if role == "decode" and topology.kv_events_tokenizer is not None:
-                args += ["--kv-events-endpoint", f"tcp://{host}:{free_port(host)}"]
-            argv = worker_argv(host, wport, model, args, role=role)
-            workers.append(WorkerProcess(f"{role}-{i}", argv, f"http://{host}:{wport}", env))
+    workers = pool_workers(host, model, worker_args, env, topology)
     urls = {
         role: [w.url for w in workers if w.name.startswith(role)] for role in ("prefill", "decode")
     }
@@ -295,3 +295,26 @@ def _pools(
     argv = router_argv(host, port, urls["prefill"], urls["decode"], router_args)
     router = WorkerProcess("router", argv, f"http://{host}:{port}", router_env)
     return [LocalDeployment(workers), LocalDeployment([router])]
+
+
+def pool_workers(
+    host: str,
+    model: str | None,
+    worker_args: Sequence[str],
+    env: dict[str, str],
+    topology: Topology,
+) -> list[WorkerProcess]:
+    """The prefill then decode workers of ``topology``, each on a free port of ``host``."""
+    workers: list[WorkerProcess] = []
+    for role, count in (("prefill", topology.prefill), ("decode", topology.decode)):
+        for i in range(count):
+            wport = free_port(host)
+            cores = topology.core_args(len(workers))
+            args = own_disk_dir([*worker_args, *cores, *topology.role_args(role)], f"{role}-{i}")
+            if role == "decode" and topology.kv_events_tokenizer is not None:
+                args += ["--kv-events-endpoint", f"tcp://{host}:{free_port(host)}"]
+            if topology.engine == "vllm" and topology.prefill:  # NixlConnector's side channel
+                args += ["--kv-port", str(free_port(host))]
+            argv = worker_argv(host, wport, model, args, role=topology.worker_role(role))
+            workers.append(WorkerProcess(f"{role}-{i}", argv, f"http://{host}:{wport}", env))
+    return workers

@@ -11,10 +11,17 @@ vLLM serves the OpenAI API on the worker's own host and port, so the router, the
 and clients talk to it directly: no extra hop. Cores: ``cpus`` ("0", "2-3") becomes vLLM's
 OpenMP binding (``VLLM_CPU_OMP_THREADS_BIND``), so workers that ``serve`` starts never share
 a core; without it vLLM binds as it does by default. KV space: ``--kv-cache-memory-bytes``.
+
+Prefill/decode: a worker with ``nixl`` set moves KV with vLLM's NixlConnector (UCX over TCP,
+KV registered in host memory), its side channel on the worker's own port. The NIXL worker
+pins the engine's compute thread to the machine's last core, which on a small machine is
+another worker's; once vLLM is ready the supervisor binds every thread moved so back to the
+worker's cores (``cluster.affinity``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -23,12 +30,46 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
+from splitserve.cluster.affinity import rebind_strays
 from splitserve.cluster.local import die_with_parent
 
 VENV_ENV = "SPLITSERVE_VLLM_VENV"  # a virtualenv with vLLM, instead of the repo's .venv-vllm
 _INSTALL_HINT = "run `make install-vllm`, or pass --vllm-python PATH"
 _STOP_TIMEOUT_S = 15.0
 VLLM_CPU_BLOCK_SIZE = 128  # vllm-cpu's KV block size by default (KV events count in these)
+_POLL_S = 0.1
+
+
+@dataclass(slots=True)
+class NixlSide:
+    """A P/D worker's KV transfer: vLLM's NixlConnector over UCX/TCP, KV in host memory.
+
+    Every worker of a P/D deployment is ``kv_both`` (it can serve and pull KV); the router's
+    two legs decide who does which. ``host``/``port``: the side channel where peers fetch
+    this worker's KV layout and block ids; a distinct port per worker on one machine."""
+
+    host: str
+    port: int
+    failure_policy: str = "recompute"  # a failed pull: recompute the prompt, or fail it
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--kv-port must be a TCP port, got {self.port}")
+        if self.failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"unknown KV load failure policy {self.failure_policy!r}")
+
+    def transfer_config(self) -> str:
+        """vLLM's ``--kv-transfer-config``."""
+        return json.dumps(
+            {
+                "kv_connector": "NixlConnector",
+                "kv_role": "kv_both",
+                "kv_buffer_device": "cpu",
+                "kv_load_failure_policy": self.failure_policy,
+            }
+        )
 
 
 @dataclass(slots=True)
@@ -48,6 +89,7 @@ class VllmWorkerSpec:
     api_key: str | None = None
     log_level: str = "warning"
     extra_args: list[str] = field(default_factory=list)
+    nixl: NixlSide | None = None  # set: a member of a P/D deployment
 
     def __post_init__(self) -> None:
         if not self.kv_cache_gb > 0:
@@ -117,6 +159,8 @@ def vllm_argv(python: str, spec: VllmWorkerSpec) -> list[str]:
     ):
         if value is not None:
             argv += [flag, str(value)]
+    if spec.nixl is not None:
+        argv += ["--kv-transfer-config", spec.nixl.transfer_config()]
     return argv + list(spec.extra_args)
 
 
@@ -132,6 +176,10 @@ def vllm_env(spec: VllmWorkerSpec) -> dict[str, str]:
         env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpus
     if spec.api_key:
         env["VLLM_API_KEY"] = spec.api_key
+    if spec.nixl is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.nixl.host
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl.port)
+        env.setdefault("UCX_TLS", "tcp,self")  # proven here; set UCX_TLS to try others
     return env
 
 
@@ -146,6 +194,18 @@ class VllmProcess:
         self.proc = subprocess.Popen(
             self.argv, env=self.env, start_new_session=True, preexec_fn=die_with_parent
         )
+
+    def wait_ready(self, url: str, stop: threading.Event) -> bool:
+        """Until vLLM answers ``url/health``: True, or False once it exited or ``stop`` is set."""
+        assert self.proc is not None
+        while self.proc.poll() is None and not stop.is_set():
+            try:
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            stop.wait(_POLL_S)
+        return False
 
     def wait(self, stop: threading.Event) -> int | None:
         """vLLM's exit code, or None once ``stop`` is set first."""
@@ -184,6 +244,8 @@ def run_vllm_worker(spec: VllmWorkerSpec, python: str | None = None) -> int:
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         proc.start()
+        if spec.nixl is not None and spec.cpus is not None:
+            _restore_binding(proc, spec, stop)
         code = proc.wait(stop)
         if code is not None:
             print(f"splitserve: vLLM exited with code {code}", file=sys.stderr)
@@ -193,6 +255,23 @@ def run_vllm_worker(spec: VllmWorkerSpec, python: str | None = None) -> int:
         proc.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _restore_binding(proc: VllmProcess, spec: VllmWorkerSpec, stop: threading.Event) -> None:
+    """Once vLLM is ready, bind the threads NIXL pinned elsewhere back to ``spec.cpus``."""
+    assert proc.proc is not None and spec.cpus is not None
+    inherited = os.sched_getaffinity(0)  # what vLLM's processes start with, left as it is
+    host = "127.0.0.1" if spec.host in ("0.0.0.0", "::") else spec.host
+    if not proc.wait_ready(f"http://{host}:{spec.port}", stop):
+        return
+    cores = set(parse_cpus(spec.cpus))
+    moved = rebind_strays(proc.proc.pid, cores, inherited)
+    if moved:
+        print(
+            f"splitserve: bound {len(moved)} vLLM thread(s) back to cores {spec.cpus}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def served_name(model_path: str) -> str:

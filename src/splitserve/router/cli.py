@@ -171,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=False,
         http=StampedHttpToolsProtocol,  # request arrival times: the "queued" phase
+        proxy_headers=False,  # the router never uses the client's address
     )
     return 0
 

@@ -45,9 +45,9 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def decode_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """The decode leg: the client's request as sent, plus where to pull the KV from."""
-    return {**body, "kv_transfer_params": params}
+def decode_fields(params: dict[str, Any]) -> dict[str, Any]:
+    """The decode leg is the client's request as sent, plus these: where to pull the KV."""
+    return {"kv_transfer_params": params}
 
 
 def accepted_params(response: Any) -> dict[str, Any] | None:

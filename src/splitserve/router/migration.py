@@ -47,9 +47,8 @@ class IncompleteStream(Exception):
     """The worker's stream ended without ``data: [DONE]``."""
 
 
-def with_token_ids(body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` asking the worker to stream token ids (the router strips them again)."""
-    return {**body, "return_token_ids": True}
+# Added to a streamed request's body: the worker streams token ids (the router strips them).
+TOKEN_IDS_FIELD = {"return_token_ids": True}
 
 
 @dataclass(slots=True)

@@ -2,7 +2,10 @@
 
 A request may be retried on another worker until its first byte reaches the client: a
 connection error, a 5xx, or a stream that dies before its first chunk all count as the
-worker's failure (its circuit breaker hears of it) and the next candidate is tried. After
+worker's failure (its circuit breaker hears of it) and the next candidate is tried. A
+connection the worker closed or reset before answering (most often a kept-alive one it was
+closing as the request went out) is tried once more on the same worker first, over another
+connection, so a lone worker's keep-alive race is not a 502. After
 the first byte the client owns a partial answer, so a streamed request migrates instead: the
 router resumes it on the session's next worker from the tokens already delivered (see
 ``migration``) and the client's stream continues. Only when no worker can take it over does
@@ -14,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -23,23 +26,25 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from splitserve.router import disagg
+from splitserve.router.body import forwarded
+from splitserve.router.body import parse as parse_body
 from splitserve.router.config import RouterConfig
 from splitserve.router.errors import RouterError, no_worker
 from splitserve.router.membership import Membership
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.migration import (
+    TOKEN_IDS_FIELD,
     IncompleteStream,
     StreamLog,
     StreamRelay,
     resumable_request,
-    with_token_ids,
 )
 from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.policies.session import SyncedRing
 from splitserve.router.replies import Buffered, Reply, Streamed
 from splitserve.router.session import prefix_key, session_key
 from splitserve.router.timing import Timeline, now
-from splitserve.router.upstream import UPSTREAM_ERRORS
+from splitserve.router.upstream import UPSTREAM_ERRORS, dropped
 from splitserve.router.worker import Worker
 
 if TYPE_CHECKING:
@@ -58,7 +63,12 @@ PEER_FIELD = "kv_peer"  # the worker to pull a moved turn's KV from (worker.peer
 
 
 class WorkerFailed(Exception):
-    """The worker failed before sending its first byte: the request may go elsewhere."""
+    """The worker failed before sending its first byte: the request may go elsewhere.
+    ``dropped``: an open connection was closed or reset before any answer (``upstream``)."""
+
+    def __init__(self, message: str, dropped: bool = False) -> None:
+        super().__init__(message)
+        self.dropped = dropped
 
 
 @dataclass(slots=True)
@@ -104,8 +114,10 @@ class Proxy:
     ) -> Reply:
         """``POST /v1/chat/completions`` or ``/v1/completions``; ``client_headers`` by
         lower-case name, ``raw`` the request body."""
-        body = _json_object(raw)
-        body.pop(PEER_FIELD, None)  # only the router names a peer: workers will call it
+        body = parse_body(raw)
+        # Only the router names a peer (workers will call it): a client's is dropped.
+        rewrite = PEER_FIELD in body
+        body.pop(PEER_FIELD, None)
         timeline.parsed = now()
         headers = self._forward_headers(client_headers)
         placement = self._place(client_headers, body, timeline)
@@ -119,17 +131,18 @@ class Proxy:
             self._prefetch_hint(decode, body, headers)
         if self.config.disaggregate:
             await self._remote_prefill(path, body, headers, placement, decode)
+        added: dict[str, Any] = {}  # the router's fields in the forwarded body
         if placement.kv_params is not None:
-            body = disagg.decode_body(body, placement.kv_params)
+            added.update(disagg.decode_fields(placement.kv_params))
         elif self.config.kv_peer_fetch:
-            body = self._peer_hint(body, decode, placement)
+            added.update(self._peer_hint(decode, placement))
         stream = body.get("stream") is True
         if stream and resumable_request(body):
             log = StreamLog.of(body, chat=path.endswith("/chat/completions"))
             placement.relay = StreamRelay(log, body)
             placement.headers, placement.excluded = headers, excluded
-            body = with_token_ids(body)
-        payload = json.dumps(body).encode()
+            added.update(TOKEN_IDS_FIELD)
+        payload = forwarded(raw, body, added, rewrite)
         return await self._with_retries(
             "decode",
             placement,
@@ -157,14 +170,15 @@ class Proxy:
         self._hints.add(task)  # keep a reference until it is done
         task.add_done_callback(self._hints.discard)
 
-    def _peer_hint(self, body: dict[str, Any], decode: Worker, placement: Placement) -> dict:
+    def _peer_hint(self, decode: Worker, placement: Placement) -> dict[str, str]:
         """A turn placed off its session's healthy home names the home, whose KV of the
-        conversation the chosen worker then pulls instead of recomputing it."""
+        conversation the chosen worker then pulls instead of recomputing it (the field to
+        add to the body; none otherwise)."""
         home = self.membership.get(placement.home) if placement.home is not None else None
         if home is None or home.url == decode.url or not home.healthy:
-            return body
+            return {}
         self.metrics.kv_peer_hints.inc()
-        return {**body, PEER_FIELD: home.url}
+        return {PEER_FIELD: home.url}
 
     async def models(self, client_headers: Mapping[str, str], timeline: Timeline) -> Reply:
         """``GET /v1/models`` from any healthy worker."""
@@ -222,6 +236,7 @@ class Proxy:
     ) -> Reply:
         worker: Worker | None = first
         errors: list[str] = []
+        redialled = False
         for attempt in range(self.config.max_retries + 1):
             if worker is None:
                 break
@@ -231,6 +246,9 @@ class Proxy:
                 return await send(worker)
             except WorkerFailed as e:
                 errors.append(f"{worker.url}: {e}")
+                if e.dropped and worker.healthy and not redialled:
+                    redialled = True  # the same worker once more, over another connection
+                    continue
                 worker = self._pick(role, placement.info, excluded)
         if not errors:
             raise no_worker(role)
@@ -294,7 +312,9 @@ class Proxy:
         except (*UPSTREAM_ERRORS, WorkerFailed) as e:
             await close_once()
             self._failed(worker, role, e)
-            raise e if isinstance(e, WorkerFailed) else WorkerFailed(repr(e)) from e
+            if isinstance(e, WorkerFailed):
+                raise
+            raise WorkerFailed(repr(e), dropped=upstream is None and dropped(e)) from e
         self._succeeded(worker, role, placement)
         relay = (
             self._relay(first, content, worker, placement)
@@ -436,7 +456,7 @@ class Proxy:
     def _forward_headers(self, client_headers: Mapping[str, str]) -> dict[str, str]:
         headers = {
             "content-type": "application/json",
-            "x-request-id": client_headers.get("x-request-id") or uuid.uuid4().hex,
+            "x-request-id": client_headers.get("x-request-id") or os.urandom(16).hex(),
         }
         auth = (
             f"Bearer {self.config.worker_api_key}"
@@ -458,16 +478,6 @@ class Proxy:
         if placement.prefill is not None:
             out[PREFILL_HEADER] = placement.prefill.url
         return out
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise RouterError(400, f"the request body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise RouterError(400, "the request body must be a JSON object")
-    return body
 
 
 async def _raw(first: bytes, content: aiohttp.StreamReader) -> AsyncIterator[bytes]:

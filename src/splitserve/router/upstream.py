@@ -21,6 +21,26 @@ from splitserve.router.config import RouterConfig
 UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
+def dropped(error: BaseException) -> bool:
+    """Whether ``error`` is an open connection that the worker closed or reset ("Server
+    disconnected", "Connection reset by peer", "Can not write request body"), as opposed to
+    one that could not be opened, a timeout or a malformed answer."""
+    if isinstance(error, aiohttp.ClientConnectorError):  # refused, unreachable: never opened
+        return False
+    return isinstance(error, _DROPPED)
+
+
+_DROPPED = (
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientConnectionResetError,
+    aiohttp.ClientOSError,
+)
+
+
+# Headers aiohttp would add to every forwarded request; the workers need none of them.
+SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
+
+
 def session(config: RouterConfig) -> aiohttp.ClientSession:
     """The pooled session for forwarded requests; create it inside the running loop."""
     connector = aiohttp.TCPConnector(
@@ -35,11 +55,13 @@ def session(config: RouterConfig) -> aiohttp.ClientSession:
     # Bodies pass through as the worker encoded them (``content-encoding`` is forwarded).
     # No cookie jar: the session is shared by every client, so a cookie one worker answer set
     # would go out on other clients' requests (and filtering the jar costs every request).
+    # No Accept-Encoding of aiohttp's own either: the client did not ask for compression.
     return aiohttp.ClientSession(
         connector=connector,
         timeout=timeout,
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=SKIPPED_HEADERS,
     )
 
 
