@@ -47,10 +47,7 @@ class WorkerProcess:
         return None if self.proc is None else self.proc.poll()
 
     def healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return healthy(self.url)
 
     def signal_group(self, sig: int) -> None:
         if self.proc is None:
@@ -59,6 +56,14 @@ class WorkerProcess:
             os.killpg(self.proc.pid, sig)  # its pgid is its pid: start_new_session
         except ProcessLookupError:
             pass
+
+
+def healthy(url: str) -> bool:
+    """Whether the server at ``url`` answers ``/health`` with 200."""
+    try:
+        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _sigterm_when_parent_ends() -> None:

