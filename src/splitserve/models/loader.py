@@ -127,4 +127,5 @@ def _build(
     with torch.device(device):
         model = LlamaForCausalLM(config, dtype=dtype)
     model.load_weights(weights)
+    model.pack_weights()
     return model.eval()
