@@ -49,7 +49,7 @@ class EngineConfig:
     """Everything one engine needs. ``model=None`` means the bundled default model."""
 
     model: str | None = None
-    dtype: str = "auto"  # float32 on CPU, float16 on CUDA
+    dtype: str = "auto"  # CPU: bfloat16 where native (models.loader.resolve_dtype), else float32
     device: str = "cpu"
     block_size: int = 16
     kv_cache_gb: float = 1.0

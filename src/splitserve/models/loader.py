@@ -45,16 +45,41 @@ def default_model_path() -> str:
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device = "cpu") -> torch.dtype:
-    """``"auto"`` is float32 on CPU and float16 on CUDA; names and torch dtypes pass through."""
+    """``"auto"`` is float16 on CUDA, and on CPU bfloat16 where the cores compute it natively
+    (``cpu_has_native_bf16``), float32 elsewhere; names and torch dtypes pass through."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; use one of {sorted(_DTYPES)}")
         return dtype
     if dtype == "auto":
-        return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+        if torch.device(device).type == "cuda":
+            return torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of {[*_DTYPES, 'auto']}")
     return _DTYPES[dtype]
+
+
+# CPU flags (as /proc/cpuinfo names them) of instructions that compute bfloat16 products:
+# AMX tiles, or AVX-512 BF16 dot products. Without them oneDNN emulates bfloat16 through
+# float32 conversions, and float32 runs faster.
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this machine's CPU has one of ``NATIVE_BF16_FLAGS`` (False where the flags
+    cannot be read, e.g. off Linux). ``SPLITSERVE_CPU_BF16=0/1`` overrides the reading."""
+    forced = os.environ.get("SPLITSERVE_CPU_BF16")
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return any(flag in line.split() for flag in NATIVE_BF16_FLAGS)
+    except OSError:
+        pass
+    return False
 
 
 def load_model(

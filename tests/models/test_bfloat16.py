@@ -1,0 +1,109 @@
+"""bfloat16: what ``--dtype auto`` picks on CPU, and our decoder against transformers run in
+bfloat16 too (the rest of tests/models compares float32 with float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.plan import StepPlan
+from splitserve.models import loader
+from tests.models.test_llama_vs_hf import BLOCK, chunk, prompt, save_hf_model
+
+# bfloat16 keeps 8 bits of mantissa: two implementations that sum in different orders agree
+# to a few units in the last place of the largest logit, not to float32's 1e-3.
+REL_TOL = 0.03
+
+
+def hf_bf16_last_logits(model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0, -1].float()
+
+
+@pytest.fixture(scope="module", params=("llama", "qwen2"))
+def bf16_pair(request, tmp_path_factory, hf_model_factory):
+    hf = hf_model_factory(request.param, seed=11)
+    directory = save_hf_model(hf, tmp_path_factory.mktemp(f"{request.param}-bf16"))
+    runner = ModelRunner(
+        loader.load_model(directory, dtype="bfloat16", load_tokenizer=False),
+        block_size=BLOCK,
+        kv_cache_bytes=2**20,
+    )
+    return hf.to(torch.bfloat16), runner
+
+
+def cpuinfo(tmp_path, flags: str) -> str:
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "flags, native",
+    [
+        ("fpu sse4_2 avx avx2 avx512f avx512_bf16 avx512_vnni", True),
+        ("fpu avx2 avx512f amx_bf16 amx_tile", True),
+        ("fpu sse4_2 avx avx2 avx512f avx512bw", False),  # AVX-512 without BF16: emulated
+        ("fpu sse4_2 avx avx2 fma", False),
+    ],
+)
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path, monkeypatch, flags, native):
+    monkeypatch.delenv("SPLITSERVE_CPU_BF16", raising=False)
+    assert loader.cpu_has_native_bf16(cpuinfo(tmp_path, flags)) is native
+
+
+def test_unreadable_cpuinfo_means_no_native_bf16(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPLITSERVE_CPU_BF16", raising=False)
+    assert loader.cpu_has_native_bf16(str(tmp_path / "missing")) is False
+
+
+def test_auto_dtype_follows_the_cpu(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_CPU_BF16", "1")
+    assert loader.resolve_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setenv("SPLITSERVE_CPU_BF16", "0")
+    assert loader.resolve_dtype("auto", "cpu") == torch.float32
+    assert loader.resolve_dtype("bfloat16", "cpu") == torch.bfloat16  # names are not touched
+
+
+def test_greedy_decode_matches_transformers_in_bf16(bf16_pair):
+    """Prefill then 16 greedy steps: logits within bfloat16's tolerance of transformers in
+    bfloat16, and the same token wherever transformers' top two are further apart than that
+    tolerance (closer ones are ties at this precision)."""
+    hf, runner = bf16_pair
+    tokens = prompt(20, seed=21)
+    table = list(range(10, 20))
+    logits = runner.last_logits(StepPlan([chunk("a", tokens, 0, table)]))["a"]
+    decided = 0
+    for step in range(16):
+        expected = hf_bf16_last_logits(hf, tokens)
+        tol = REL_TOL * expected.abs().max().item()
+        assert (logits - expected).abs().max().item() < tol, f"step {step}"
+        top2 = expected.topk(2).values
+        if (top2[0] - top2[1]).item() > 2 * tol:
+            assert int(logits.argmax()) == int(expected.argmax()), f"step {step}"
+            decided += 1
+        tokens.append(int(expected.argmax()))
+        plan = StepPlan([chunk("a", tokens[-1:], len(tokens) - 1, table, step + 1)])
+        logits = runner.last_logits(plan)["a"]
+    assert decided >= 8  # the comparison decided most steps, it did not skip them all
+
+
+def test_bf16_batch_gives_each_sequence_its_logits_alone(bf16_pair):
+    """A decode batched with a prefill and another decode gets the logits it gets alone,
+    exactly: greedy output must not depend on batch mates in bfloat16 either."""
+    _, runner = bf16_pair
+    a, b, c = prompt(9, seed=23), prompt(13, seed=24), prompt(17, seed=25)
+    tables = {"a": [0, 1, 2], "b": [3, 4, 5, 6], "c": [7, 8, 9, 10, 11]}
+    runner.execute(
+        StepPlan([chunk("b", b[:12], 0, tables["b"]), chunk("c", c[:16], 0, tables["c"])])
+    )
+    step = [
+        chunk("a", a, 0, tables["a"]),
+        chunk("b", b[12:], 12, tables["b"], 1),
+        chunk("c", c[16:], 16, tables["c"], 1),
+    ]
+    together = runner.last_logits(StepPlan(step))
+    for one in step[1:]:
+        alone = runner.last_logits(StepPlan([one]))
+        assert torch.equal(alone[one.request_id], together[one.request_id]), one.request_id
