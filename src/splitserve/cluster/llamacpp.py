@@ -1,0 +1,52 @@
+"""llama.cpp's OpenAI server (``llama-cpp-python``) as a peer deployment for the benchmarks.
+
+It runs from a virtualenv of its own (``make install-llamacpp`` builds it from source), on
+the same GGUF file the built-in engine loads, with its threads bound to the cores it is
+given. It serves one request at a time, as its users get it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from splitserve.cluster.vllm_worker import repo_root
+
+VENV_ENV = "SPLITSERVE_LLAMACPP_VENV"
+INSTALL_HINT = "run `make install-llamacpp`"
+# Its routes: no /health; /v1/models answers once the model is loaded.
+HEALTH_PATH = "/v1/models"
+# Room for the benchmarks' longest sessions (the bundled model's trained context is 8k).
+CONTEXT_TOKENS = 8192
+
+
+def find_llamacpp_python() -> str:
+    """The Python that has ``llama_cpp``: ``$SPLITSERVE_LLAMACPP_VENV/bin/python`` or the
+    repository's ``.venv-llamacpp``. Raises ``ValueError`` naming ``make install-llamacpp``."""
+    venvs = [os.environ.get(VENV_ENV), str(repo_root() / ".venv-llamacpp")]
+    candidates = [Path(v) / "bin" / "python" for v in venvs if v]
+    for python in candidates:
+        if python.is_file() and os.access(python, os.X_OK):
+            return str(python)
+    raise ValueError(f"llama.cpp is not installed (looked for {candidates[-1]}); {INSTALL_HINT}")
+
+
+def llamacpp_argv(python: str, gguf: str, host: str, port: int, threads: int) -> list[str]:
+    """The server's command line: ``threads`` for decoding and for prompt batches."""
+    return [
+        python,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        gguf,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--n_threads",
+        str(threads),
+        "--n_threads_batch",
+        str(threads),
+        "--n_ctx",
+        str(CONTEXT_TOKENS),
+    ]
