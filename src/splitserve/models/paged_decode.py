@@ -1,0 +1,152 @@
+"""Decode attention that reads K/V in place from the paged cache, compiled with numba.
+
+The torch path gathers each decode group's pages into a padded ``[n, kvh, S, hd]`` copy and
+runs SDPA with a mask; for one query token per sequence that is mostly copying and per-call
+overhead. Here one compiled call attends every decode row of the step: each (sequence,
+kv head) is one work item, which reads its blocks straight from the cache through the block
+table and serves the ``g = h / kvh`` query heads that share that kv head::
+
+    item (r, kh):  for each block b of sequence r, each position p in it:
+                       k = cache[table[r, b], p, kh]          one row, widened to float32
+                       s[j, b*B + p] = (q[r, kh*g + j] * scale) . k      for j < g
+                   softmax over each s[j, :len_r], then out[r, kh*g + j] = sum_p s[j, p] v_p
+
+bfloat16 rows are widened to float32 by placing their bits in the upper half of a 32-bit
+word (exact); float32 rows are taken as they are. Sums run in float32 in a fixed order that
+depends only on the sequence itself, so a sequence gets the same result alone or in any
+batch, at any thread count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from splitserve.models.fused_decode import NUMBA_LOCK
+
+try:
+    import numba
+    from numba import njit, prange
+except ImportError:  # the torch path covers everything; this is an accelerator
+    numba = None
+
+# Reassociation lets LLVM vectorise the dot products; no result depends on anything but the
+# compiled code, so outputs stay deterministic.
+_FAST = {"reassoc", "contract", "nnan", "ninf", "nsz"}
+# The cache's element type -> (the unsigned type its bits are read as, the shift to float32).
+_BITS = {torch.bfloat16: (torch.int16, np.uint16, 16), torch.float32: (torch.int32, np.uint32, 0)}
+
+
+def available(cache: torch.Tensor) -> bool:
+    """Whether this kernel can attend over ``cache`` (numba importable, CPU, bf16 or fp32)."""
+    return numba is not None and cache.device.type == "cpu" and cache.dtype in _BITS
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: np.ndarray,
+    lens: np.ndarray,
+    scale: float,
+    threads: int,
+) -> torch.Tensor:
+    """Attention of ``q`` ``[n, h, hd]`` (one token per sequence) over sequence ``r``'s first
+    ``lens[r]`` cached positions, whose blocks are ``tables[r]`` (int64 ``[n, w]``). The caches
+    are one layer's ``[num_blocks, B, kvh, hd]``. Returns ``[n, h, hd]`` in ``q``'s dtype."""
+    signed, unsigned, shift = _BITS[k_cache.dtype]
+    kc = k_cache.view(signed).numpy().view(unsigned)
+    vc = v_cache.view(signed).numpy().view(unsigned)
+    qf = q.float().contiguous().numpy()
+    out = np.empty(qf.shape, dtype=np.float32)
+    with NUMBA_LOCK:
+        numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+        _attend(qf, kc, vc, tables, lens, np.float32(scale), np.uint32(shift), out)
+    return torch.from_numpy(out).to(q.dtype)
+
+
+def warm_up() -> None:
+    """Compile the kernel for every cache type into numba's on-disk cache (~15 s once), so
+    that no worker pays it on its first decode step."""
+    for dtype in _BITS:
+        cache = torch.zeros(1, 1, 1, 1, dtype=dtype)
+        table, length = np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.int64)
+        decode_attention(torch.zeros(1, 1, 1, dtype=dtype), cache, cache, table, length, 1.0, 1)
+
+
+if numba is not None:
+
+    @njit(parallel=True, fastmath=_FAST, boundscheck=False, nogil=True, cache=True)
+    def _attend(q, kc, vc, tables, lens, scale, shift, out):
+        n, h, hd = q.shape
+        kvh = kc.shape[2]
+        g = h // kvh
+        for item in prange(n * kvh):
+            r = item // kvh
+            kh = item - r * kvh
+            length = lens[r]
+            scores = np.empty((g, length), dtype=np.float32)
+            bits = np.empty(hd, dtype=np.uint32)
+            row = bits.view(np.float32)
+            qloc = np.empty((g, hd), dtype=np.float32)
+            for j in range(g):
+                qrow = q[r, kh * g + j]
+                for d in range(hd):
+                    qloc[j, d] = qrow[d] * scale
+            _scores(kc, tables[r], length, kh, shift, qloc, bits, row, scores)
+            _softmax_rows(scores)
+            acc = np.zeros((g, hd), dtype=np.float32)
+            _weighted_values(vc, tables[r], length, kh, shift, scores, bits, row, acc)
+            for j in range(g):
+                orow = out[r, kh * g + j]
+                for d in range(hd):
+                    orow[d] = acc[j, d]
+
+    @njit(fastmath=_FAST, boundscheck=False, nogil=True, cache=True)
+    def _scores(kc, table, length, kh, shift, qloc, bits, row, scores):
+        """``scores[j, p] = qloc[j] . k_p`` for the sequence's first ``length`` positions."""
+        bs, hd, g = kc.shape[1], kc.shape[3], qloc.shape[0]
+        for b in range((length + bs - 1) // bs):
+            block = kc[table[b]]
+            for p in range(min(bs, length - b * bs)):
+                krow = block[p, kh]
+                for d in range(hd):
+                    bits[d] = np.uint32(krow[d]) << shift
+                for j in range(g):
+                    qj = qloc[j]
+                    s = np.float32(0.0)
+                    for d in range(hd):
+                        s += qj[d] * row[d]
+                    scores[j, b * bs + p] = s
+
+    @njit(fastmath=_FAST, boundscheck=False, nogil=True, cache=True)
+    def _softmax_rows(scores):
+        for j in range(scores.shape[0]):
+            sj = scores[j]
+            best = np.float32(-np.inf)
+            for p in range(sj.shape[0]):
+                best = max(best, sj[p])
+            total = np.float32(0.0)
+            for p in range(sj.shape[0]):
+                e = np.exp(sj[p] - best)
+                sj[p] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for p in range(sj.shape[0]):
+                sj[p] *= inv
+
+    @njit(fastmath=_FAST, boundscheck=False, nogil=True, cache=True)
+    def _weighted_values(vc, table, length, kh, shift, weights, bits, row, acc):
+        """``acc[j] += weights[j, p] * v_p`` over the sequence's first ``length`` positions."""
+        bs, hd, g = vc.shape[1], vc.shape[3], acc.shape[0]
+        for b in range((length + bs - 1) // bs):
+            block = vc[table[b]]
+            for p in range(min(bs, length - b * bs)):
+                vrow = block[p, kh]
+                for d in range(hd):
+                    bits[d] = np.uint32(vrow[d]) << shift
+                for j in range(g):
+                    w = weights[j, b * bs + p]
+                    aj = acc[j]
+                    for d in range(hd):
+                        aj[d] += w * row[d]
