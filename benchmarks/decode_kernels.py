@@ -1,0 +1,115 @@
+"""A batched decode step with and without each CPU kernel of the engine, alternating rounds.
+
+Variants (same process, same weights, same sequences):
+
+- ``plain``: weight products on the plain weights (``F.linear``), decode attention by
+  gather + SDPA (the torch path);
+- ``packed``: weight products on the oneDNN-blocked weights (``models.llama.packed_weight``);
+- ``packed+paged``: and decode attention in place over the paged cache
+  (``models.paged_decode``), the engine's default.
+
+Each round prefills ``--seqs`` random prompts of ``--context`` tokens and times ``--steps``
+decode steps of all of them together; rounds alternate between the variants.
+
+    python benchmarks/decode_kernels.py [--seqs 16] [--context 256] [--dtype bfloat16] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from router_peer import cpu_description  # noqa: E402
+
+from splitserve import LLM, SamplingParams  # noqa: E402
+from splitserve.models.llama import Linear  # noqa: E402
+
+VARIANTS = ("plain", "packed", "packed+paged")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--seqs", type=int, default=16)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+class Switch:
+    """Turns the packed weights and the paged decode kernel of one engine on and off."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.runner = llm.engine.runner
+        model = self.runner.model
+        self.linears = [m for m in model.modules() if isinstance(m, Linear)]
+        self.packed = [m.packed for m in self.linears]
+        self.lm_head = model.lm_head_packed
+        self.paged = self.runner.paged_decode
+
+    def set(self, variant: str) -> None:
+        packed = variant != "plain"
+        for module, weight in zip(self.linears, self.packed, strict=True):
+            module.packed = weight if packed else None
+        self.runner.model.lm_head_packed = self.lm_head if packed else None
+        self.runner.paged_decode = self.paged and variant == "packed+paged"
+
+
+def one_round(llm: LLM, prompts: list[list[int]], steps: int) -> float:
+    """Mean seconds per decode step of all ``prompts`` together."""
+    engine = llm.engine
+    engine.block_manager.reset_prefix_cache()
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{time.monotonic()}-{i}", p, params)
+    while (
+        any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting
+    ):
+        engine.step()  # the prefills, until every sequence decodes
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.mean(times[1:])
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    llm = LLM(dtype=args.dtype, threads=args.threads, fused_decode=False)
+    rng = random.Random(args.seed)
+    vocab = llm.engine.runner.config.vocab_size
+    prompts = [[rng.randrange(100, vocab) for _ in range(args.context)] for _ in range(args.seqs)]
+    switch = Switch(llm)
+    print(f"CPU: {cpu_description()}")
+    print(f"{args.seqs} sequences of {args.context} tokens, {args.dtype}, {args.threads} thread(s)")
+    for variant in VARIANTS:  # warm-up: compile, fault the pages in
+        switch.set(variant)
+        one_round(llm, prompts[:2], 2)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(args.rounds):
+        for variant in VARIANTS:
+            switch.set(variant)
+            times[variant].append(one_round(llm, prompts, args.steps))
+    base = statistics.median(times["plain"])
+    for variant in VARIANTS:
+        ms = statistics.median(times[variant])
+        rounds = ", ".join(f"{t * 1e3:.1f}" for t in times[variant])
+        print(
+            f"{variant:14s} {ms * 1e3:7.1f} ms/step  {args.seqs / ms:6.1f} tok/s  "
+            f"{base / ms:.2f}x plain  (rounds: {rounds})"
+        )
+
+
+if __name__ == "__main__":
+    main()
