@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from splitserve.bench.metrics import RequestRecord
+from splitserve.bench.vocab import text_of
 from splitserve.bench.workloads import API_CHAT, SessionSpec
 
 SESSION_HEADER = "X-Session-Id"
@@ -29,6 +30,11 @@ class Endpoint:
     url: str  # the server's base URL, without /v1
     api_key: str | None = None
     model: str | None = None  # None: the server's only model
+    # For a server that takes the OpenAI API only as written (llama.cpp's): completions
+    # prompts go as text, tool messages carry a tool_call_id, and, as it has no ignore_eos,
+    # ``logit_bias`` keeps the end-of-sequence tokens out.
+    strict_openai: bool = False
+    logit_bias: dict[str, float] | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -93,9 +99,11 @@ class SessionPlayer:
         ids: list[list[int]],
         record: RequestRecord,
     ) -> _Reply:
-        path, body = request_body(spec, k, texts, ids)
+        path, body = request_body(spec, k, texts, ids, self.endpoint.strict_openai)
         if self.endpoint.model:
             body["model"] = self.endpoint.model
+        if self.endpoint.logit_bias:
+            body["logit_bias"] = self.endpoint.logit_bias
         headers = dict(self.endpoint.headers)
         if spec.sticky:
             headers[SESSION_HEADER] = spec.session_id
@@ -118,9 +126,10 @@ class SessionPlayer:
 
 
 def request_body(
-    spec: SessionSpec, k: int, texts: list[str], ids: list[list[int]]
+    spec: SessionSpec, k: int, texts: list[str], ids: list[list[int]], strict: bool = False
 ) -> tuple[str, dict[str, Any]]:
-    """The path and JSON body of turn k, given the real replies of the turns before it."""
+    """The path and JSON body of turn k, given the real replies of the turns before it;
+    ``strict``: see ``Endpoint.strict_openai``."""
     turn = spec.turns[k]
     body: dict[str, Any] = {
         "max_tokens": turn.output_len,
@@ -131,8 +140,14 @@ def request_body(
         "return_token_ids": True,
     }
     if spec.api == API_CHAT:
-        return "/v1/chat/completions", {"messages": spec.messages(k, texts), **body}
-    return "/v1/completions", {"prompt": spec.prompt_token_ids(k, ids), **body}
+        messages = spec.messages(k, texts)
+        if strict:
+            for i, m in enumerate(messages):
+                if m["role"] == "tool":
+                    m["tool_call_id"] = f"call_{i}"
+        return "/v1/chat/completions", {"messages": messages, **body}
+    prompt = spec.prompt_token_ids(k, ids)
+    return "/v1/completions", {"prompt": text_of(prompt) if strict else prompt, **body}
 
 
 async def _read_stream(

@@ -347,7 +347,8 @@ def _sweep_one(args, dep: Deployment, workers: int, workload, loads: list[Load],
     with Running(dep.name, stages, args.ready_timeout):
         for i, load in enumerate(loads):
             wl = dataclasses.replace(workload, seed=workload.seed + i)
-            run = asyncio.run(run_load(Endpoint(url, key), wl, load, slo, not args.no_progress))
+            endpoint = _endpoint(dep, url, key)
+            run = asyncio.run(run_load(endpoint, wl, load, slo, not args.no_progress))
             run.summary.info["deployment"] = f"{dep.name}: {dep.about}; {' '.join(argv[4:])}"
             out.append((load, run))
             s = run.summary
@@ -358,6 +359,16 @@ def _sweep_one(args, dep: Deployment, workers: int, workload, loads: list[Load],
                 flush=True,
             )
     return out
+
+
+def _endpoint(dep: Deployment, url: str, key: str) -> Endpoint:
+    if dep.engine != "llamacpp":
+        return Endpoint(url, key)
+    from splitserve.cluster.llamacpp import eos_logit_bias
+    from splitserve.models.loader import default_model_path
+
+    bias = eos_logit_bias(default_model_path())
+    return Endpoint(url, key, strict_openai=True, logit_bias=bias)
 
 
 def run_compare(args: argparse.Namespace) -> int:

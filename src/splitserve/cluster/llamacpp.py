@@ -49,4 +49,21 @@ def llamacpp_argv(python: str, gguf: str, host: str, port: int, threads: int) ->
         str(threads),
         "--n_ctx",
         str(CONTEXT_TOKENS),
+        # Its default ends a streaming request when the next one arrives; queue them instead.
+        "--interrupt_requests",
+        "False",
     ]
+
+
+def eos_logit_bias(gguf: str) -> dict[str, float]:
+    """A ``logit_bias`` that keeps ``gguf``'s control tokens (end of sequence, end of turn
+    and the other specials, GGUF token type 3) from being sampled: the benchmarks' fixed output
+    lengths, which the other servers get from ``ignore_eos``."""
+    from splitserve.models import gguf_loader
+
+    field = gguf_loader.open_gguf(gguf).fields["tokenizer.ggml.token_type"]
+    types = (int(field.parts[i][0]) for i in field.data)
+    return {str(token): -100.0 for token, kind in enumerate(types) if kind == _CONTROL}
+
+
+_CONTROL = 3  # GGUF's token type of control tokens
