@@ -21,7 +21,7 @@ import uvicorn
 from splitserve.cluster.local import die_with_parent, free_port
 from splitserve.router.app import create_app
 from splitserve.router.config import RouterConfig
-from splitserve.router.timing import StampedHttpToolsProtocol
+from splitserve.router.server import RouterProtocol
 
 FAKE_WORKER = Path(__file__).with_name("fake_worker.py")
 READY_TIMEOUT_S = 30.0
@@ -108,7 +108,7 @@ class RouterServer:
             host="127.0.0.1",
             port=self.port,
             log_level="warning",
-            http=StampedHttpToolsProtocol,  # as the router's command line serves it
+            http=RouterProtocol,  # as the router's command line serves it
         )
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

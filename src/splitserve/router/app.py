@@ -42,7 +42,7 @@ def create_app(config: RouterConfig) -> Front:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = upstream.session(config)
+        client = upstream.pool(config)
         probes = upstream.probe_client(config)
         probe_headers = (
             {"authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else None
