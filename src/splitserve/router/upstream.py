@@ -10,8 +10,9 @@ spent 103-140 us of CPU per relayed chunk and 0.38-0.44 ms per request set-up, 2
 vllm-router's in front of the same worker. Here a chunk goes from the socket through httptools'
 C parser into the relay and onto the client's socket in one callback, with no task switch;
 the read timeout is one lazy timer per request. Figures, before and after: docs/benchmarks.md
-("Router overhead against vllm-router"). The health probes, a few requests a second, keep
-their own small httpx client (``probe_client``).
+("Router overhead against vllm-router"). The health probes have a small pool of their own
+(``probe_pool``, ``fetch``), so a busy proxy pool never holds them up; through httpx they cost
+the router about 6 ms of CPU a second per worker.
 
 ::
 
@@ -26,9 +27,9 @@ from __future__ import annotations
 
 import asyncio
 from typing import Protocol
+from urllib.parse import urlsplit
 
 import httptools
-import httpx
 
 from splitserve.router.config import RouterConfig
 
@@ -322,9 +323,9 @@ class Pool:
         await self._slots.acquire()
         conn = None
         try:
-            conn = self._reuse(key) or await self._connect(key)
-            sent = conn.send(head, body)
-            return await (sent if timeout_s is None else asyncio.wait_for(sent, timeout_s))
+            async with asyncio.timeout(timeout_s):
+                conn = self._reuse(key) or await self._connect(key)
+                return await conn.send(head, body)
         except BaseException as e:
             if conn is not None:
                 conn.close()
@@ -332,6 +333,20 @@ class Pool:
             if isinstance(e, TimeoutError):
                 raise UpstreamError(f"no answer from {url} within {timeout_s} s") from e
             raise
+
+    async def fetch(
+        self, url: str, path: str, headers: dict[str, str], timeout_s: float
+    ) -> tuple[int, bytes]:
+        """``GET path`` from the worker at ``url``: (status, whole body) within ``timeout_s``."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                r = await self.request("GET", url, path, headers)
+                try:
+                    return r.status, await r.read()
+                finally:
+                    r.release()
+        except TimeoutError as e:
+            raise UpstreamError(f"no answer from {url}{path} within {timeout_s} s") from e
 
     async def close(self) -> None:
         self._closed = True
@@ -343,11 +358,11 @@ class Pool:
     def _target(self, url: str) -> tuple[tuple[str, int], bytes]:
         target = self._targets.get(url)
         if target is None:
-            parsed = httpx.URL(url)
-            if parsed.scheme != "http" or not parsed.host:
+            parsed = urlsplit(url)
+            if parsed.scheme != "http" or not parsed.hostname:
                 raise UpstreamError(f"cannot reach {url!r}: only http://host:port workers")
-            port = parsed.port or 80
-            target = self._targets[url] = ((parsed.host, port), f"{parsed.host}:{port}".encode())
+            host, port = parsed.hostname, parsed.port or 80
+            target = self._targets[url] = ((host, port), f"{host}:{port}".encode())
         return target
 
     def _reuse(self, key: tuple[str, int]) -> _Connection | None:
@@ -412,8 +427,6 @@ def pool(config: RouterConfig) -> Pool:
     )
 
 
-def probe_client(config: RouterConfig) -> httpx.AsyncClient:
-    """The health checker's client: a handful of keep-alive connections."""
-    limits = httpx.Limits(max_connections=32, keepalive_expiry=config.keepalive_expiry_s)
-    timeout = httpx.Timeout(config.health_timeout_s, connect=config.connect_timeout_s)
-    return httpx.AsyncClient(timeout=timeout, limits=limits)
+def probe_pool(config: RouterConfig) -> Pool:
+    """The health checker's pool: a handful of connections, apart from the forwarded ones."""
+    return Pool(32, config.keepalive_expiry_s, config.connect_timeout_s, config.health_timeout_s)
