@@ -50,7 +50,9 @@ class Recorder:
     def data(self, piece: bytes) -> None:
         self.pieces.append(piece)
 
-    def end(self) -> None:
+    def end(self, last: bytes) -> None:
+        if last:
+            self.pieces.append(last)
         self.done.set_result(None)
 
     def failed(self, error: UpstreamError) -> None:

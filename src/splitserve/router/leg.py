@@ -5,8 +5,8 @@ relayed inside the upstream connection's ``data_received``: parsed and re-shaped
 ``StreamRelay`` (token bookkeeping for migration) and written to the client's socket, with
 no task woken per chunk. Pieces that arrive together are relayed together, as one write.
 Without a writer (another ASGI server) ``pull`` reads and sends the same chunks from the
-request's task. Either way the leg ends with None (the worker finished the stream) or the
-failure that broke it, which the proxy answers by migrating the stream.
+request's task. Either way the leg ends with None (the worker finished the stream), the
+failure that broke it, which the proxy answers by migrating the stream, or ``CLIENT_GONE``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ from typing import Any
 from splitserve.router.migration import StreamRelay
 from splitserve.router.server import BodyWriter
 from splitserve.router.upstream import Response, UpstreamError
+
+
+class ClientGone(Exception):
+    """The client hung up while its stream was relayed."""
+
+
+CLIENT_GONE = ClientGone()
 
 
 class Leg:
@@ -37,10 +44,16 @@ class Leg:
         """Relay the leg to ``out`` from the connection's callbacks; returns when it ends."""
         self._out = out
         self._done = done = asyncio.get_running_loop().create_future()
-        self.data(self.first)
-        if not done.done():
-            self.response.pipe(self)
-        return await done
+        if out.gone:
+            return CLIENT_GONE
+        out.watch(self._client_gone)
+        try:
+            self.data(self.first)
+            if not done.done():
+                self.response.pipe(self)
+            return await done
+        finally:
+            out.unwatch(self._client_gone)
 
     async def pull(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> Exception | None:
         """Relay the leg through ASGI ``send``, one message per piece read."""
@@ -74,20 +87,37 @@ class Leg:
                 self.response.pause()
                 self._resumer = asyncio.ensure_future(self._resume_when_drained(out))
 
-    def end(self) -> None:
-        assert self._done is not None
-        if not self._done.done():
-            try:
-                self._end()
-            except Exception as e:
-                self._done.set_result(e)
-                return
-            self._done.set_result(None)
+    def end(self, last: bytes) -> None:
+        done, out = self._done, self._out
+        assert done is not None and out is not None
+        if done.done():
+            return
+        try:
+            relayed = self._feed(last) if last else b""
+        except Exception as e:
+            done.set_result(e)
+            return
+        try:
+            self._end()
+        except Exception as e:  # no [DONE]: what came still reaches the client, then migrate
+            if relayed:
+                out.write(relayed)
+            done.set_result(e)
+            return
+        if not out.finish(relayed):
+            if relayed:
+                out.write(relayed)
+        done.set_result(None)
 
     def failed(self, error: UpstreamError) -> None:
         assert self._done is not None
         if not self._done.done():
             self._done.set_result(error)
+
+    def _client_gone(self) -> None:
+        assert self._done is not None
+        if not self._done.done():
+            self._done.set_result(CLIENT_GONE)
 
     # ---- both modes ----------------------------------------------------------------------
 

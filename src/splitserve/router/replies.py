@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from splitserve.router.leg import Leg
+from splitserve.router.leg import CLIENT_GONE, Leg
 from splitserve.router.server import body_writer
 from splitserve.router.timing import Timeline, now
 
@@ -67,6 +67,28 @@ async def _stream(
 ) -> None:
     headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers.items()]
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    timeline.first_written = now()  # the first piece goes out as the leg starts
+    writer = body_writer(scope)
+    if writer is not None and writer.usable:  # the usual case: no task but this one
+        failure = await reply.leg.push(writer)
+        if failure is CLIENT_GONE:
+            return
+        if failure is None:
+            if writer.finished:  # ended with the worker's last chunk, in its callback
+                timeline.last_written = now()
+            else:
+                await _end(send, timeline)
+            return
+    else:
+        failure = None
+    await _watched(reply, receive, send, timeline, failure)
+
+
+async def _watched(
+    reply: Streamed, receive: Any, send: Any, timeline: Timeline, failure: Exception | None
+) -> None:
+    """The rest of the answer through ``send``, a task watching for the client's disconnect:
+    the first leg without a ``BodyWriter``, and whatever follows a broken first leg."""
     task = asyncio.current_task()
     assert task is not None
     streaming = True
@@ -79,18 +101,13 @@ async def _stream(
     gone.add_done_callback(on_gone)
     after: AsyncIterator[bytes] | None = None
     try:
-        writer = body_writer(scope)
-        timeline.first_written = now()  # the first piece goes out as the leg starts
-        if writer is not None and writer.usable:
-            failure = await reply.leg.push(writer)
-        else:
+        if failure is None:
             failure = await reply.leg.pull(send)
         if failure is not None:
             after = reply.after(failure)
             async for chunk in after:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        timeline.last_written = now()
+        await _end(send, timeline)
     except asyncio.CancelledError:
         if not (gone.done() and not gone.cancelled()):
             raise
@@ -102,6 +119,11 @@ async def _stream(
         # when the collector finds it: a resumed leg releases its worker in its ``finally``.
         if after is not None:
             await after.aclose()
+
+
+async def _end(send: Any, timeline: Timeline) -> None:
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    timeline.last_written = now()
 
 
 async def _disconnect(receive: Any) -> None:

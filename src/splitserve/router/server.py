@@ -8,7 +8,9 @@ upstream connection's ``data_received`` instead (``leg.Leg``), and writes each o
 the same callback: the chunk's framing and one ``transport.write``, as uvicorn's own ``send``
 does. The answer still starts and ends through ASGI ``send`` (status line, headers, the last
 chunk, keep-alive), so uvicorn's request cycle stays in charge of the connection; the writer
-is offered only while that answer is chunked, started and not complete.
+is offered only while that answer is chunked, started and not complete. It also tells the
+relay when the client hangs up (``watch``), which ASGI says only to a task awaiting
+``receive``: one more task per request.
 
 The scope's ``extensions`` get:
 
@@ -19,6 +21,7 @@ The scope's ``extensions`` get:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -31,9 +34,10 @@ WRITER_KEY = "splitserve.body_writer"
 class BodyWriter:
     """Writes body chunks of one chunked answer in progress, without awaiting."""
 
-    __slots__ = ("_cycle",)
+    __slots__ = ("_protocol", "_cycle")
 
-    def __init__(self, cycle: RequestResponseCycle) -> None:
+    def __init__(self, protocol: RouterProtocol, cycle: RequestResponseCycle) -> None:
+        self._protocol = protocol
         self._cycle = cycle
 
     @property
@@ -45,7 +49,14 @@ class BodyWriter:
     @property
     def gone(self) -> bool:
         """The client disconnected."""
-        return self._cycle.disconnected
+        return self._cycle.disconnected or self._cycle.transport.is_closing()
+
+    def watch(self, on_gone: Callable[[], None]) -> None:
+        """Call ``on_gone`` if the client's connection is lost (until ``unwatch``)."""
+        self._protocol.on_lost.add(on_gone)
+
+    def unwatch(self, on_gone: Callable[[], None]) -> None:
+        self._protocol.on_lost.discard(on_gone)
 
     @property
     def paused(self) -> bool:
@@ -54,6 +65,30 @@ class BodyWriter:
 
     async def drain(self) -> None:
         await self._cycle.flow.drain()
+
+    @property
+    def finished(self) -> bool:
+        """The answer is complete (``finish``)."""
+        return self._cycle.response_complete
+
+    def finish(self, data: bytes) -> bool:
+        """The last body chunk (may be empty) and the answer's end, written together, and the
+        request cycle completed (keep-alive, the next pipelined request) now, in this
+        callback; False, having written nothing, when the client's buffer is full or gone:
+        then ``data`` goes through ``write`` and the end through ASGI ``send``.
+
+        uvicorn's own ``send`` does the completing: it awaits only to wait for a paused
+        write to drain, so when writing is not paused one step of it runs to its end."""
+        cycle = self._cycle
+        if cycle.flow.write_paused or cycle.disconnected:
+            return False
+        step = cycle.send({"type": "http.response.body", "body": data, "more_body": False})
+        try:
+            step.send(None)
+        except StopIteration:
+            return True
+        step.close()  # unreachable while writing is not paused (see above)
+        raise RuntimeError("uvicorn's send awaited although writing was not paused")
 
     def write(self, data: bytes) -> None:
         """One body chunk (not empty: an empty chunk would end the answer)."""
@@ -76,6 +111,18 @@ class RouterProtocol(HttpToolsProtocol):
     pipelined request, which waits for the one before it).
     """
 
+    on_lost: set[Callable[[], None]]
+
+    def connection_made(self, transport: Any) -> None:
+        self.on_lost = set()
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        for on_gone in list(self.on_lost):
+            on_gone()
+        self.on_lost.clear()
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope["extensions"] = {RECEIVED_KEY: now()}
@@ -84,4 +131,4 @@ class RouterProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # not an upgrade
-            self.scope["extensions"][WRITER_KEY] = BodyWriter(cycle)
+            self.scope["extensions"][WRITER_KEY] = BodyWriter(self, cycle)

@@ -18,8 +18,9 @@ the router about 6 ms of CPU a second per worker.
 
     request(): idle connection (or a new one) -> head + body in one write -> await headers
     Response.piece()/read(): pull the body (the first piece, buffered answers, resumed legs)
-    Response.pipe(sink): push every later piece to ``sink.data``, then ``sink.end()`` or
-                         ``sink.failed(error)``; ``pause()``/``resume()`` for flow control
+    Response.pipe(sink): push every later piece to ``sink.data``, then ``sink.end(last)``
+                         (the pieces that came with the body's end) or ``sink.failed(error)``;
+                         ``pause()``/``resume()`` for flow control
     Response.release(): a complete keep-alive answer's connection goes back to the pool
 """
 
@@ -50,7 +51,7 @@ class Sink(Protocol):
 
     def data(self, piece: bytes) -> None: ...
 
-    def end(self) -> None: ...
+    def end(self, last: bytes) -> None: ...
 
     def failed(self, error: UpstreamError) -> None: ...
 
@@ -127,17 +128,17 @@ class Response:
             if self._waiter is not None and not self._waiter.done():
                 self._waiter.set_result(None)
             return
-        if self._pieces:
-            pieces, self._pieces = self._pieces, []
-            sink.data(pieces[0] if len(pieces) == 1 else b"".join(pieces))
-        if self._ended or self._sink is None:  # the sink may have released the answer
+        pieces, self._pieces = self._pieces, []
+        piece = b"" if not pieces else pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        if self._complete and self._error is None and not self._ended:
+            self._ended = True
+            sink.end(piece)  # with the last pieces: the client's end can go in one write
             return
-        if self._error is not None:
-            self._ended = True
+        if piece:
+            sink.data(piece)
+        if self._error is not None and not self._ended and self._sink is not None:
+            self._ended = True  # (the sink may have released the answer in ``data``)
             sink.failed(self._error)
-        elif self._complete:
-            self._ended = True
-            sink.end()
 
 
 class _Connection(asyncio.Protocol):
