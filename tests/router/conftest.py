@@ -21,7 +21,7 @@ import uvicorn
 from splitserve.cluster.local import die_with_parent, free_port
 from splitserve.router.app import create_app
 from splitserve.router.config import RouterConfig
-from splitserve.router.timing import StampedHttpToolsProtocol
+from splitserve.router.server import RouterProtocol
 
 FAKE_WORKER = Path(__file__).with_name("fake_worker.py")
 READY_TIMEOUT_S = 30.0
@@ -99,7 +99,7 @@ class FakeWorker:
 class RouterServer:
     """A router app served by uvicorn on a thread of the test process."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, protocol: type | str = RouterProtocol) -> None:
         self.app = create_app(config)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -108,7 +108,7 @@ class RouterServer:
             host="127.0.0.1",
             port=self.port,
             log_level="warning",
-            http=StampedHttpToolsProtocol,  # as the router's command line serves it
+            http=protocol,  # as the router's command line serves it, by default
         )
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -156,9 +156,9 @@ def workers3(fake_workers: list[FakeWorker]) -> list[FakeWorker]:
 def make_router() -> Iterator:
     started: list[RouterServer] = []
 
-    def make(**options) -> RouterServer:
+    def make(protocol: type | str = RouterProtocol, **options) -> RouterServer:
         options.setdefault("health_interval_s", 0.2)
-        router = RouterServer(RouterConfig.from_kwargs(**options))
+        router = RouterServer(RouterConfig.from_kwargs(**options), protocol)
         started.append(router)
         return router
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import httpx
 import pytest
 
 from splitserve.router.health import (
@@ -15,6 +14,7 @@ from splitserve.router.health import (
     load_from_metrics,
 )
 from splitserve.router.membership import BreakerConfig, Membership
+from splitserve.router.upstream import Pool
 from splitserve.router.worker import LoadReport, Worker
 
 
@@ -96,30 +96,62 @@ def test_load_report_ignores_bad_fields():
     assert r == LoadReport(running=2)
 
 
+class CannedWorker:
+    """A real HTTP server on loopback answering each path with a canned (status, body)."""
+
+    def __init__(self, answers: dict[str, tuple[int, str]]) -> None:
+        self.answers = answers
+        self.requests: list[bytes] = []  # each request's head
+        self.server: asyncio.Server | None = None
+        self.url = ""
+
+    async def start(self) -> CannedWorker:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    def paths(self) -> list[str]:
+        return [head.split(b" ")[1].decode() for head in self.requests]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            self.requests.append(head)
+            status, body = self.answers.get(head.split(b" ")[1].decode(), (404, "{}"))
+            data = body.encode()
+            writer.write(
+                b"HTTP/1.1 %d X\r\ncontent-length: %d\r\n\r\n%s" % (status, len(data), data)
+            )
+        writer.close()
+
+
 def test_health_checker_probes_and_reports():
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.host == "down":
-            raise httpx.ConnectError("refused")
-        if request.url.host == "sick":
-            return httpx.Response(503, json={"status": "engine not running"})
-        if request.url.path == "/load":
-            assert request.headers["authorization"] == "Bearer k"
-            return httpx.Response(200, json={"running": 1, "waiting": 2})
-        return httpx.Response(200, json={"status": "ok"})
+    health = (200, '{"status": "ok"}')
 
-    m = Membership(
-        [Worker(u) for u in ("http://up", "http://down", "http://sick")],
-        BreakerConfig(failure_threshold=1),
-    )
+    async def main() -> tuple[list[str], CannedWorker]:
+        up = await CannedWorker(
+            {"/health": health, "/load": (200, '{"running": 1, "waiting": 2}')}
+        ).start()
+        sick = await CannedWorker({"/health": (503, '{"status": "engine not running"}')}).start()
+        down = await CannedWorker({}).start()
+        down.server.close()
+        await down.server.wait_closed()
+        urls = [up.url, down.url, sick.url]
+        m = Membership([Worker(u) for u in urls], BreakerConfig(failure_threshold=1))
+        pool = Pool(connect_timeout_s=1.0)
+        checker = HealthChecker(pool, m.all, m.report, headers={"authorization": "Bearer k"})
+        await checker.check_all()
+        await pool.close()
+        assert m.get(up.url).report == LoadReport(running=1, waiting=2)
+        return [w.url for w in m.candidates("decode")], up
 
-    async def main() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            checker = HealthChecker(client, m.all, m.report, headers={"authorization": "Bearer k"})
-            await checker.check_all()
-
-    asyncio.run(main())
-    assert [w.url for w in m.candidates("decode")] == ["http://up"]
-    assert m.get("http://up").report == LoadReport(running=1, waiting=2)
+    (serving, up) = asyncio.run(main())
+    assert serving == [up.url]
+    assert up.paths() == ["/health", "/load"]
+    assert all(b"authorization: Bearer k\r\n" in head for head in up.requests)
 
 
 VLLM_METRICS = Path(__file__).parent / "data" / "vllm-0.32-metrics-busy.txt"  # a real scrape
@@ -135,29 +167,26 @@ def test_load_from_a_vllm_servers_metrics():
 @pytest.mark.parametrize(
     "load",
     [
-        httpx.Response(404, json={"detail": "Not Found"}),
-        httpx.Response(200, json={"server_load": 0}),  # what vLLM's own /load answers
+        (404, '{"detail": "Not Found"}'),
+        (200, '{"server_load": 0}'),  # what vLLM's own /load answers
     ],
 )
 def test_a_worker_without_our_load_is_probed_through_its_metrics_from_then_on(load):
-    paths: list[str] = []
+    async def main() -> tuple[list[str], int]:
+        answers = {
+            "/health": (200, "{}"),
+            "/load": load,
+            "/metrics": (200, VLLM_METRICS.read_text()),
+        }
+        vllm = await CannedWorker(answers).start()
+        m = Membership([Worker(vllm.url)])
+        pool = Pool()
+        checker = HealthChecker(pool, m.all, m.report)
+        await checker.check_all()
+        await checker.check_all()
+        await pool.close()
+        return vllm.paths(), m.get(vllm.url).report.running
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        paths.append(request.url.path)
-        if request.url.path == "/load":
-            return load
-        if request.url.path == "/metrics":
-            return httpx.Response(200, text=VLLM_METRICS.read_text())
-        return httpx.Response(200)
-
-    m = Membership([Worker("http://vllm")])
-
-    async def main() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            checker = HealthChecker(client, m.all, m.report)
-            await checker.check_all()
-            await checker.check_all()
-
-    asyncio.run(main())
+    paths, running = asyncio.run(main())
     assert paths == ["/health", "/load", "/metrics", "/health", "/metrics"]
-    assert m.get("http://vllm").report.running == 6
+    assert running == 6

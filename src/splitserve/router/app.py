@@ -42,8 +42,8 @@ def create_app(config: RouterConfig) -> Front:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = upstream.session(config)
-        probes = upstream.probe_client(config)
+        client = upstream.pool(config)
+        probes = upstream.probe_pool(config)
         probe_headers = (
             {"authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else None
         )
@@ -77,7 +77,7 @@ def create_app(config: RouterConfig) -> Front:
                 await subscriber.stop()
             await checker.stop()
             await client.close()
-            await probes.aclose()
+            await probes.close()
 
     app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.membership = membership

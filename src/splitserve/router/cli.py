@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
     from splitserve.common.gc_pauses import quiet_gc
     from splitserve.router.app import create_app
-    from splitserve.router.timing import StampedHttpToolsProtocol
+    from splitserve.router.server import RouterProtocol
 
     app = create_app(config_from_args(args))
     quiet_gc()
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         access_log=False,
-        http=StampedHttpToolsProtocol,  # request arrival times: the "queued" phase
+        http=RouterProtocol,  # arrival times (the "queued" phase), direct body writes
         proxy_headers=False,  # the router never uses the client's address
     )
     return 0

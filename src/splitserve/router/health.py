@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from splitserve.router.upstream import Pool, UpstreamError
 from splitserve.router.worker import LoadReport, Worker
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class HealthChecker:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: Pool,
         workers: Callable[[], list[Worker]],
         report: Callable[[str, bool, LoadReport | None, int], None],
         interval_s: float = 1.0,
@@ -129,31 +130,29 @@ class HealthChecker:
         """One ``/health`` and load round trip for one worker: ``/load`` from a splitserve
         worker, Prometheus ``/metrics`` from one that has no ``/load`` (a vLLM server)."""
         try:
-            health = await self.client.get(
-                f"{worker.url}/health", timeout=self.timeout_s, headers=self.headers
-            )
-            if health.status_code != 200:
+            status, _ = await self.client.fetch(worker.url, "/health", self.headers, self.timeout_s)
+            if status != 200:
                 return False, None, 0
             own = worker.in_flight
             load = await self._load(worker.url)
             own = max(own, worker.in_flight)
-        except (httpx.HTTPError, ValueError) as e:
+        except (UpstreamError, ValueError) as e:
             log.debug("health probe of %s failed: %r", worker.url, e)
             return False, None, 0
         return True, load, own
 
     async def _load(self, url: str) -> LoadReport | None:
         if url not in self._metrics_only:
-            r = await self.client.get(f"{url}/load", timeout=self.timeout_s, headers=self.headers)
-            data = r.json() if r.status_code == 200 else None
+            status, body = await self.client.fetch(url, "/load", self.headers, self.timeout_s)
+            data = json.loads(body) if status == 200 else None
             if isinstance(data, dict) and "running" in data:
                 return LoadReport.from_json(data)
-            if r.status_code not in (200, 404):
+            if status not in (200, 404):
                 return None
             # No /load, or vLLM's own (``{"server_load": n}``, requests in its API server).
             self._metrics_only.add(url)
-        r = await self.client.get(f"{url}/metrics", timeout=self.timeout_s, headers=self.headers)
-        return load_from_metrics(r.text) if r.status_code == 200 else None
+        status, body = await self.client.fetch(url, "/metrics", self.headers, self.timeout_s)
+        return load_from_metrics(body.decode()) if status == 200 else None
 
     async def check_all(self) -> None:
         """Probe every worker once, concurrently, and report each outcome."""

@@ -23,13 +23,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-
 from splitserve.router import disagg
 from splitserve.router.body import forwarded
 from splitserve.router.body import parse as parse_body
 from splitserve.router.config import RouterConfig
 from splitserve.router.errors import RouterError, no_worker
+from splitserve.router.leg import Leg
 from splitserve.router.membership import Membership
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.migration import (
@@ -44,7 +43,7 @@ from splitserve.router.policies.session import SyncedRing
 from splitserve.router.replies import Buffered, Reply, Streamed
 from splitserve.router.session import prefix_key, session_key
 from splitserve.router.timing import Timeline, now
-from splitserve.router.upstream import UPSTREAM_ERRORS, dropped
+from splitserve.router.upstream import Pool, Response, UpstreamError, dropped
 from splitserve.router.worker import Worker
 
 if TYPE_CHECKING:
@@ -58,7 +57,7 @@ DECODE_HEADER = "X-Splitserve-Decode-Worker"
 PREDICTED_HEADER = "X-Splitserve-Predicted-Cached-Tokens"
 PREFILL_HEADER = "X-Splitserve-Prefill-Worker"
 _PASSED_RESPONSE_HEADERS = ("content-type", "content-encoding", "cache-control")
-_HINT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+_HINT_TIMEOUT_S = 5.0
 PEER_FIELD = "kv_peer"  # the worker to pull a moved turn's KV from (worker.peer)
 
 
@@ -96,7 +95,7 @@ class Proxy:
         membership: Membership,
         decode: RoutingPolicy,
         prefill: RoutingPolicy,
-        client: aiohttp.ClientSession,
+        client: Pool,
         metrics: RouterMetrics,
         tokenizer: ChatTokenizer | None = None,
     ) -> None:
@@ -158,12 +157,15 @@ class Proxy:
 
         async def send() -> None:
             try:
-                url = worker.url + "/v1/kv/prefetch"
-                async with self.client.post(
-                    url, data=json.dumps(body), headers=headers, timeout=_HINT_TIMEOUT
-                ) as r:
+                hint = json.dumps(body).encode()
+                r = await self.client.request(
+                    "POST", worker.url, "/v1/kv/prefetch", headers, hint, _HINT_TIMEOUT_S
+                )
+                try:
                     await r.read()
-            except UPSTREAM_ERRORS as e:
+                finally:
+                    r.release()
+            except UpstreamError as e:
                 log.debug("prefetch hint to %s failed: %r", worker.url, e)
 
         task = asyncio.ensure_future(send())
@@ -270,7 +272,7 @@ class Proxy:
         self.metrics.sent(worker.url, role)
         worker.in_flight += 1
         started = now()
-        upstream: aiohttp.ClientResponse | None = None
+        upstream: Response | None = None
 
         closed = False
 
@@ -286,9 +288,7 @@ class Proxy:
             self.policies[role].on_request_complete(worker, placement.info)
 
         try:
-            upstream = await self.client.request(
-                method, worker.url + path, data=payload, headers=headers
-            )
+            upstream = await self.client.request(method, worker.url, path, headers, payload)
             timeline = placement.timeline
             headers_at = now()
             self.metrics.latency.observe(headers_at - started)
@@ -301,48 +301,38 @@ class Proxy:
                 if timeline is not None:
                     timeline.headers, timeline.upstream_first = headers_at, now()
                 return Buffered(
-                    upstream.status, self._headers(upstream, worker, placement), content
+                    upstream.status, self._headers(upstream, worker, placement, headers), content
                 )
-            content = upstream.content
-            first = await content.readany()
+            first = await upstream.piece()
             if not first:
                 raise WorkerFailed("the stream ended before its first byte")
             if timeline is not None:
                 timeline.headers, timeline.upstream_first = headers_at, now()
-        except (*UPSTREAM_ERRORS, WorkerFailed) as e:
+        except (UpstreamError, WorkerFailed) as e:
             await close_once()
             self._failed(worker, role, e)
             if isinstance(e, WorkerFailed):
                 raise
-            raise WorkerFailed(repr(e), dropped=upstream is None and dropped(e)) from e
+            raise WorkerFailed(str(e), dropped=upstream is None and dropped(e)) from e
         self._succeeded(worker, role, placement)
-        relay = (
-            self._relay(first, content, worker, placement)
-            if placement.relay
-            else _raw(first, content)
-        )
         return Streamed(
-            upstream.status, self._headers(upstream, worker, placement), relay, close_once
+            upstream.status,
+            self._headers(upstream, worker, placement, headers),
+            Leg(first, upstream, placement.relay),
+            lambda failure: self._after(failure, worker, placement),
+            close_once,
         )
 
-    async def _relay(
-        self, first: bytes, content: aiohttp.StreamReader, worker: Worker, placement: Placement
+    async def _after(
+        self, failure: Exception, worker: Worker, placement: Placement
     ) -> AsyncIterator[bytes]:
-        relay = placement.relay
-        assert relay is not None
-        try:
-            piece = first
-            while piece:  # the first leg's loop, flat: it runs once per streamed chunk
-                out = relay.feed(piece)
-                if out:
-                    yield out
-                piece = await content.readany()
-            relay.end()
+        """What the client gets when the first leg broke after its first byte: the client
+        already has part of the answer, so it is resumed elsewhere, not retried."""
+        self._failed(worker, "decode", failure)
+        self.metrics.midstream_failures.inc()
+        if placement.relay is None:  # relayed as it was: nothing to resume from
+            yield _error_event("the decode worker failed mid-stream")
             return
-        except (*UPSTREAM_ERRORS, IncompleteStream, ValueError) as e:
-            # The client already has part of the answer: resume it elsewhere, not retry it.
-            self._failed(worker, "decode", e)
-            self.metrics.midstream_failures.inc()
         async for out in self._migrate(placement):
             yield out
 
@@ -370,23 +360,25 @@ class Proxy:
                 async with self._leg(worker, payload, placement) as upstream:
                     # SSE comments are ignored by clients; this one helps debugging and tests.
                     yield f": splitserve migrated to {worker.url}\n\n".encode()
-                    async for out in relay.relay(upstream.content.iter_any()):
+                    async for out in relay.relay(_pieces(upstream)):
                         yield out
                 return
-            except (*UPSTREAM_ERRORS, IncompleteStream, ValueError, WorkerFailed) as e:
+            except (UpstreamError, IncompleteStream, ValueError, WorkerFailed) as e:
                 self._failed(worker, "decode", e)
         yield _error_event("the decode worker failed mid-stream and no worker could resume it")
 
     @asynccontextmanager
     async def _leg(
         self, worker: Worker, payload: bytes, placement: Placement
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
+    ) -> AsyncIterator[Response]:
         """One resumed leg's upstream stream, counted in the worker's load while it runs."""
         self.metrics.sent(worker.url, "decode")
         worker.in_flight += 1
         try:
-            url = worker.url + "/v1/completions"
-            upstream = await self.client.post(url, data=payload, headers=placement.headers)
+            assert placement.headers is not None
+            upstream = await self.client.request(
+                "POST", worker.url, "/v1/completions", placement.headers, payload
+            )
             try:
                 if upstream.status != 200:
                     raise WorkerFailed(f"HTTP {upstream.status} on resume")
@@ -404,10 +396,15 @@ class Proxy:
         """The worker's context length, needed only when the client set no ``max_tokens``."""
         if stream.max_tokens is not None:
             return None
-        async with self.client.get(worker.url + "/v1/models", headers=placement.headers) as r:
-            if r.status != 200:
-                raise WorkerFailed(f"HTTP {r.status} from /v1/models")
-            return int(json.loads(await r.read())["data"][0]["max_model_len"])
+        assert placement.headers is not None
+        r = await self.client.request("GET", worker.url, "/v1/models", placement.headers)
+        try:
+            body = await r.read()
+        finally:
+            r.release()
+        if r.status != 200:
+            raise WorkerFailed(f"HTTP {r.status} from /v1/models")
+        return int(json.loads(body)["data"][0]["max_model_len"])
 
     async def _remote_prefill(
         self,
@@ -431,12 +428,15 @@ class Proxy:
         self.metrics.sent(worker.url, "prefill")
         params = None
         try:
-            async with self.client.post(worker.url + path, data=payload, headers=headers) as r:
-                if r.status >= 500:
-                    raise WorkerFailed(f"HTTP {r.status}")
+            r = await self.client.request("POST", worker.url, path, headers, payload)
+            try:
                 answer = await r.read()
+            finally:
+                r.release()
+            if r.status >= 500:
+                raise WorkerFailed(f"HTTP {r.status}")
             params = disagg.accepted_params(json.loads(answer)) if r.status == 200 else None
-        except (*UPSTREAM_ERRORS, ValueError, WorkerFailed) as e:
+        except (UpstreamError, ValueError, WorkerFailed) as e:
             self._failed(worker, "prefill", e)
         # Without params the decode worker simply prefills locally: slower, never wrong.
         self.metrics.remote_prefills.labels("ok" if params else "fallback").inc()
@@ -454,9 +454,10 @@ class Proxy:
         self.membership.report(worker.url, ok=False)
 
     def _forward_headers(self, client_headers: Mapping[str, str]) -> dict[str, str]:
+        request_id = client_headers.get("x-request-id")
         headers = {
             "content-type": "application/json",
-            "x-request-id": client_headers.get("x-request-id") or os.urandom(16).hex(),
+            "x-request-id": _header_value(request_id) if request_id else os.urandom(16).hex(),
         }
         auth = (
             f"Bearer {self.config.worker_api_key}"
@@ -464,14 +465,14 @@ class Proxy:
             else client_headers.get("authorization")
         )
         if auth:
-            headers["authorization"] = auth
+            headers["authorization"] = _header_value(auth)
         return headers
 
     def _headers(
-        self, upstream: aiohttp.ClientResponse, worker: Worker, placement: Placement
+        self, upstream: Response, worker: Worker, placement: Placement, sent: dict[str, str]
     ) -> dict[str, str]:
         out = {k: upstream.headers[k] for k in _PASSED_RESPONSE_HEADERS if k in upstream.headers}
-        out["x-request-id"] = upstream.request_info.headers.get("x-request-id", "")
+        out["x-request-id"] = sent["x-request-id"]
         out[DECODE_HEADER] = worker.url
         if placement.predicted is not None and placement.predicted[0] == worker.url:
             out[PREDICTED_HEADER] = str(placement.predicted[1])
@@ -480,11 +481,16 @@ class Proxy:
         return out
 
 
-async def _raw(first: bytes, content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    piece = first
-    while piece:
+async def _pieces(response: Response) -> AsyncIterator[bytes]:
+    while piece := await response.piece():
         yield piece
-        piece = await content.readany()
+
+
+def _header_value(value: str) -> str:
+    """A client's header value to forward; the upstream client writes values as they are."""
+    if "\r" in value or "\n" in value or "\0" in value:
+        raise RouterError(400, "a header value has a line break or a NUL")
+    return value
 
 
 def _error_event(message: str) -> bytes:

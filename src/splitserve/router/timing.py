@@ -8,7 +8,7 @@ between them observed in ``splitserve:router_request_phase_seconds{phase}``.
     upstream_first --first_write--> first_written --stream--> last_written
     received --total--> last_written (a buffered answer: first_written)
 
-``received`` is when uvicorn began parsing the request (``StampedHttpToolsProtocol``), so
+``received`` is when uvicorn began parsing the request (``server.RouterProtocol``), so
 ``queued`` is the time a request waited for the event loop before its handler ran; without
 the stamped protocol it is the handler's start and ``queued`` is not observed.
 ``upstream_headers`` runs from the worker chosen to the decode worker's response headers: it
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 RECEIVED_KEY = "splitserve.received"  # in the ASGI scope's ``extensions``
 
@@ -97,16 +95,3 @@ class Timeline:
             if t0 and t1 and not (name == "queued" and t0 == t1):  # not stamped by uvicorn
                 out.append((name, t1 - t0))
         return out
-
-
-class StampedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, recording when each request began to arrive.
-
-    ``on_message_begin`` runs inside ``data_received``, as soon as the event loop reads the
-    request's first bytes; the handler runs later, when the loop reaches its task. The gap is
-    the queueing a burst of requests meets on one event loop.
-    """
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self.scope.setdefault("extensions", {})[RECEIVED_KEY] = now()

@@ -1,72 +1,433 @@
-"""The router's HTTP client to the workers: one aiohttp session with a keep-alive pool.
+"""The router's HTTP/1.1 client to the workers: a keep-alive pool of ``asyncio.Protocol``
+connections whose answers ``httptools`` parses, and a streamed body that is pushed to a sink
+from the connection's ``data_received`` as it arrives.
 
-Every proxied request and every streamed chunk passes through this client, so its cost is
-most of the router's own: aiohttp parses HTTP in C and hands out pooled connections in
-constant time, where httpx/httpcore cost about three times the CPU per streamed request
-(benchmarks/router_overhead.py, docs/benchmarks.md). The health probes, a few requests a
-second, keep their own small httpx client (``probe_client``).
+Every proxied request and every streamed chunk passes through this client. aiohttp, the
+fastest maintained asyncio client measured here, costs per chunk a wake-up of the reading task
+through a future, a read-timeout timer re-armed on every read and its ``StreamReader``'s
+bookkeeping, and per request its ``ClientRequest``/URL/multidict objects; with it the router
+spent 103-140 us of CPU per relayed chunk and 0.38-0.44 ms per request set-up, 2-2.5x the Rust
+vllm-router's in front of the same worker. Here a chunk goes from the socket through httptools'
+C parser into the relay and onto the client's socket in one callback, with no task switch;
+the read timeout is one lazy timer per request. Figures, before and after: docs/benchmarks.md
+("Router overhead against vllm-router"). The health probes have a small pool of their own
+(``probe_pool``, ``fetch``), so a busy proxy pool never holds them up; through httpx they cost
+the router about 6 ms of CPU a second per worker.
+
+::
+
+    request(): idle connection (or a new one) -> head + body in one write -> await headers
+    Response.piece()/read(): pull the body (the first piece, buffered answers, resumed legs)
+    Response.pipe(sink): push every later piece to ``sink.data``, then ``sink.end(last)``
+                         (the pieces that came with the body's end) or ``sink.failed(error)``;
+                         ``pause()``/``resume()`` for flow control
+    Response.release(): a complete keep-alive answer's connection goes back to the pool
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
+from urllib.parse import urlsplit
 
-import aiohttp
-import httpx
+import httptools
 
 from splitserve.router.config import RouterConfig
 
-# What a failed exchange with a worker raises: refused or dropped connections, a body cut
-# short (``ClientPayloadError``), and timeouts.
-UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, asyncio.TimeoutError)
+
+class UpstreamError(Exception):
+    """A failed exchange with a worker. ``dropped``: an open connection the worker closed or
+    reset before any answer ("Server disconnected", "Connection reset by peer"), as opposed
+    to one that could not be opened, a timeout or a malformed answer: the same request may go
+    out once more over another connection."""
+
+    def __init__(self, message: str, dropped: bool = False) -> None:
+        super().__init__(message)
+        self.dropped = dropped
+
+
+class Sink(Protocol):
+    """Where a piped body goes; called from the event loop's I/O callbacks, never awaited."""
+
+    def data(self, piece: bytes) -> None: ...
+
+    def end(self, last: bytes) -> None: ...
+
+    def failed(self, error: UpstreamError) -> None: ...
 
 
 def dropped(error: BaseException) -> bool:
-    """Whether ``error`` is an open connection that the worker closed or reset ("Server
-    disconnected", "Connection reset by peer", "Can not write request body"), as opposed to
-    one that could not be opened, a timeout or a malformed answer."""
-    if isinstance(error, aiohttp.ClientConnectorError):  # refused, unreachable: never opened
-        return False
-    return isinstance(error, _DROPPED)
+    """Whether ``error`` is a connection the worker closed or reset before answering."""
+    return isinstance(error, UpstreamError) and error.dropped
 
 
-_DROPPED = (
-    aiohttp.ServerDisconnectedError,
-    aiohttp.ClientConnectionResetError,
-    aiohttp.ClientOSError,
-)
+class Response:
+    """One answer's status, headers (by lower-case name) and body, pulled or piped."""
 
-
-# Headers aiohttp would add to every forwarded request; the workers need none of them.
-SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
-
-
-def session(config: RouterConfig) -> aiohttp.ClientSession:
-    """The pooled session for forwarded requests; create it inside the running loop."""
-    connector = aiohttp.TCPConnector(
-        limit=config.max_connections,
-        limit_per_host=0,
-        keepalive_timeout=config.keepalive_expiry_s,
-    )
-    # No total deadline: a long generation streams for as long as it needs.
-    timeout = aiohttp.ClientTimeout(
-        total=None, connect=config.connect_timeout_s, sock_read=config.read_timeout_s
-    )
-    # Bodies pass through as the worker encoded them (``content-encoding`` is forwarded).
-    # No cookie jar: the session is shared by every client, so a cookie one worker answer set
-    # would go out on other clients' requests (and filtering the jar costs every request).
-    # No Accept-Encoding of aiohttp's own either: the client did not ask for compression.
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=timeout,
-        auto_decompress=False,
-        cookie_jar=aiohttp.DummyCookieJar(),
-        skip_auto_headers=SKIPPED_HEADERS,
+    __slots__ = (
+        *("status", "headers", "_conn", "_pieces", "_waiter"),
+        *("_complete", "_error", "_sink", "_ended"),
     )
 
+    def __init__(self, conn: _Connection, status: int, headers: dict[str, str]) -> None:
+        self.status = status
+        self.headers = headers
+        self._conn = conn
+        self._pieces: list[bytes] = []
+        self._waiter: asyncio.Future | None = None
+        self._complete = False
+        self._error: UpstreamError | None = None
+        self._sink: Sink | None = None
+        self._ended = False  # the sink was told how the body ended
 
-def probe_client(config: RouterConfig) -> httpx.AsyncClient:
-    """The health checker's client: a handful of keep-alive connections."""
-    limits = httpx.Limits(max_connections=32, keepalive_expiry=config.keepalive_expiry_s)
-    timeout = httpx.Timeout(config.health_timeout_s, connect=config.connect_timeout_s)
-    return httpx.AsyncClient(timeout=timeout, limits=limits)
+    async def piece(self) -> bytes:
+        """The body's next bytes as they arrived; b"" at its end."""
+        while not self._pieces:
+            if self._error is not None:
+                raise self._error
+            if self._complete:
+                return b""
+            self._waiter = self._conn.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        pieces, self._pieces = self._pieces, []
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts = []
+        while piece := await self.piece():
+            parts.append(piece)
+        return b"".join(parts)
+
+    def pipe(self, sink: Sink) -> None:
+        """From now on, every piece of the body goes to ``sink`` as it arrives."""
+        self._sink = sink
+        self._flush()
+
+    def pause(self) -> None:
+        """Stop reading from the worker (the client is not keeping up)."""
+        self._conn.pause()
+
+    def resume(self) -> None:
+        self._conn.resume()
+
+    def release(self) -> None:
+        """Done with the answer: its connection goes back to the pool if the body was read to
+        its end and the worker keeps it alive, else it is closed. Idempotent."""
+        self._conn.finish(self)
+
+    # ---- called by the connection ------------------------------------------------------
+
+    def _flush(self) -> None:
+        """After each read from the socket: hand what arrived to the sink or the reader."""
+        sink = self._sink
+        if sink is None:
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(None)
+            return
+        pieces, self._pieces = self._pieces, []
+        piece = b"" if not pieces else pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        if self._complete and self._error is None and not self._ended:
+            self._ended = True
+            sink.end(piece)  # with the last pieces: the client's end can go in one write
+            return
+        if piece:
+            sink.data(piece)
+        if self._error is not None and not self._ended and self._sink is not None:
+            self._ended = True  # (the sink may have released the answer in ``data``)
+            sink.failed(self._error)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to a worker; at most one request at a time."""
+
+    def __init__(self, pool: Pool, key: tuple[str, int]) -> None:
+        self.pool = pool
+        self.key = key
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self.response: Response | None = None
+        self._head_waiter: asyncio.Future | None = None
+        self._header_list: list[tuple[bytes, bytes]] = []
+        self._keep_alive = False
+        self._paused = False
+        self._last_read = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    # ---- the request -------------------------------------------------------------------
+
+    async def send(self, head: bytes, body: bytes | None) -> Response:
+        assert self.transport is not None and self.response is None
+        self._header_list = []
+        self._head_waiter = self.loop.create_future()
+        self.transport.write(head if body is None else head + body)
+        self._last_read = self.loop.time()
+        self._timer = self.loop.call_at(self._last_read + self.pool.read_timeout_s, self._check)
+        return await self._head_waiter
+
+    def finish(self, response: Response) -> None:
+        if response is not self.response:
+            return  # released already
+        self.response = None
+        self._cancel_timer()
+        if self._paused:
+            self.resume()
+        response._sink = None
+        if response._complete and self._keep_alive and not self.closed:
+            self.pool._put(self)
+        else:
+            self.close()
+            self.pool._free()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self._last_read = self.loop.time()  # a paused read is not the worker's delay
+            if not self.closed:
+                self.transport.resume_reading()
+
+    # ---- asyncio.Protocol --------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._last_read = self.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(UpstreamError(f"malformed answer from the worker: {e}"))
+            self.close()
+            return
+        if self.response is not None:
+            self.response._flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._cancel_timer()
+        if self.response is None and self._head_waiter is None:
+            self.pool._forget(self)  # an idle connection the worker closed
+            return
+        answered = self.response is not None
+        reason = "Server disconnected" if exc is None else f"connection lost: {exc!r}"
+        self._fail(UpstreamError(reason, dropped=not answered))
+        if self.response is not None:
+            self.response._flush()
+
+    # ---- httptools callbacks -----------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_list.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        headers = {n.decode("latin-1").lower(): v.decode("latin-1") for n, v in self._header_list}
+        self.response = Response(self, self.parser.get_status_code(), headers)
+        waiter, self._head_waiter = self._head_waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(self.response)
+
+    def on_body(self, body: bytes) -> None:
+        if self.response is not None:
+            self.response._pieces.append(body)
+
+    def on_message_complete(self) -> None:
+        self._keep_alive = self.parser.should_keep_alive()
+        self._cancel_timer()
+        if self.response is not None:
+            self.response._complete = True
+
+    # ---- failures ----------------------------------------------------------------------
+
+    def _fail(self, error: UpstreamError) -> None:
+        waiter, self._head_waiter = self._head_waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+        response = self.response
+        if response is not None and not response._complete and response._error is None:
+            response._error = error
+            if response._waiter is not None and not response._waiter.done():
+                response._waiter.set_result(None)
+
+    def _check(self) -> None:
+        """The lazy read timeout: re-armed from the last read, fired only when none came."""
+        self._timer = None
+        if self.closed or (self.response is None and self._head_waiter is None):
+            return
+        deadline = self._last_read + self.pool.read_timeout_s
+        if self._paused or self.loop.time() < deadline:
+            self._timer = self.loop.call_at(max(deadline, self.loop.time() + 0.001), self._check)
+            return
+        self._fail(UpstreamError(f"no data from the worker for {self.pool.read_timeout_s} s"))
+        if self.response is not None:
+            self.response._flush()
+        self.close()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class Pool:
+    """Keep-alive connections to the workers, at most ``max_connections`` open at once.
+
+    Idle connections are reused newest first and retired after ``keepalive_s`` idle, below
+    the workers' own keep-alive timeout, so the router rarely sends a request down a
+    connection the worker is closing. Create it inside the running loop.
+    """
+
+    def __init__(
+        self,
+        max_connections: int = 1024,
+        keepalive_s: float = 2.0,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float = 600.0,
+    ) -> None:
+        self.max_connections = max_connections
+        self.keepalive_s = keepalive_s
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._slots = asyncio.Semaphore(max_connections)
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
+        self._closed = False
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        headers: dict[str, str],
+        body: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> Response:
+        """Send ``method path`` to the worker at ``url`` (``http://host:port``); returns once
+        the answer's headers arrived. ``timeout_s``: a deadline for the headers."""
+        key, host = self._target(url)
+        head = _head(method, path, host, headers, body)
+        await self._slots.acquire()
+        conn = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                conn = self._reuse(key) or await self._connect(key)
+                return await conn.send(head, body)
+        except BaseException as e:
+            if conn is not None:
+                conn.close()
+            self._free()
+            if isinstance(e, TimeoutError):
+                raise UpstreamError(f"no answer from {url} within {timeout_s} s") from e
+            raise
+
+    async def fetch(
+        self, url: str, path: str, headers: dict[str, str], timeout_s: float
+    ) -> tuple[int, bytes]:
+        """``GET path`` from the worker at ``url``: (status, whole body) within ``timeout_s``."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                r = await self.request("GET", url, path, headers)
+                try:
+                    return r.status, await r.read()
+                finally:
+                    r.release()
+        except TimeoutError as e:
+            raise UpstreamError(f"no answer from {url}{path} within {timeout_s} s") from e
+
+    async def close(self) -> None:
+        self._closed = True
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
+        self._idle.clear()
+
+    def _target(self, url: str) -> tuple[tuple[str, int], bytes]:
+        target = self._targets.get(url)
+        if target is None:
+            parsed = urlsplit(url)
+            if parsed.scheme != "http" or not parsed.hostname:
+                raise UpstreamError(f"cannot reach {url!r}: only http://host:port workers")
+            host, port = parsed.hostname, parsed.port or 80
+            target = self._targets[url] = ((host, port), f"{host}:{port}".encode())
+        return target
+
+    def _reuse(self, key: tuple[str, int]) -> _Connection | None:
+        idle = self._idle.get(key)
+        now = asyncio.get_running_loop().time()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self, key: tuple[str, int]) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Connection(self, key), *key),
+                self.connect_timeout_s,
+            )
+        except TimeoutError as e:
+            raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: timed out") from e
+        except OSError as e:
+            raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {e}") from e
+        return conn
+
+    def _put(self, conn: _Connection) -> None:
+        self._slots.release()
+        if self._closed:
+            conn.close()
+            return
+        conn.idle_since = conn.loop.time()
+        self._idle.setdefault(conn.key, []).append(conn)
+
+    def _free(self) -> None:
+        self._slots.release()
+
+    def _forget(self, conn: _Connection) -> None:
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+
+def _head(
+    method: str, path: str, host: bytes, headers: dict[str, str], body: bytes | None
+) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1\r\n".encode(), b"host: ", host, b"\r\n"]
+    for name, value in headers.items():
+        lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+    if body is not None:
+        lines.append(b"content-length: %d\r\n" % len(body))
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
+def pool(config: RouterConfig) -> Pool:
+    """The pool for forwarded requests; create it inside the running loop."""
+    return Pool(
+        config.max_connections,
+        config.keepalive_expiry_s,
+        config.connect_timeout_s,
+        config.read_timeout_s,
+    )
+
+
+def probe_pool(config: RouterConfig) -> Pool:
+    """The health checker's pool: a handful of connections, apart from the forwarded ones."""
+    return Pool(32, config.keepalive_expiry_s, config.connect_timeout_s, config.health_timeout_s)
