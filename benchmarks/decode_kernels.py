@@ -61,6 +61,7 @@ class Switch:
         for module, weight in zip(self.linears, self.packed, strict=True):
             module.packed = weight if packed else None
         self.runner.model.lm_head_packed = self.lm_head if packed else None
+        self.runner.packed = packed
         self.runner.paged_decode = self.paged and variant == "packed+paged"
 
 

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
     from splitserve.models.fused_decode import FusedDecoder
 
 # Steps of fewer tokens than this run on one intra-op thread (their weight products excepted
-# when ``split_gemv`` splits them across the runner's threads, see ``SplitGemv``). MKL runs
+# when they are split across the runner's threads: with ``split_gemv``, or always on packed
+# weights, whose oneDNN products spread a few rows over the threads; see ``SplitGemv``,
+# ``models.llama.packed_linear``: a bfloat16 batch-1 step 39 -> 29 ms on 2 threads). MKL runs
 # those few-row products on one core whatever the thread count, and every other op of such a
 # step is too small to split, so a second OpenMP thread there only adds a fork/join per op: on
 # this box a batch-1 decode step took 46 ms at 1 thread and 54-64 ms at 2, and far worse when
@@ -121,6 +123,7 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.model.bind_kv_cache(self.kv_cache)
+        self.packed = self.model.lm_head_packed is not None  # see models.llama.packed_weight
         self.paged_decode = paged_decode and self._paged_decode_available()
         self.fused: FusedDecoder | None = None
         self.core_share = CoreShare()  # the fused path's threads: those others leave free
@@ -242,7 +245,7 @@ class ModelRunner:
         otherwise; weight products of steps up to ``SPLIT_GEMV_MAX_TOKENS`` split over
         ``threads``. Restores the process-wide setting afterwards."""
         small = num_tokens < SMALL_STEP_TOKENS
-        split = self.split_gemv and num_tokens <= SPLIT_GEMV_MAX_TOKENS
+        split = (self.split_gemv or self.packed) and num_tokens <= SPLIT_GEMV_MAX_TOKENS
         before = torch.get_num_threads()
         torch.set_num_threads(1 if small else self.threads)
         try:
