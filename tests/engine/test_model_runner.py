@@ -201,9 +201,9 @@ def test_small_steps_split_their_products_and_keep_greedy_tokens() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_weights_run_small_steps_products_on_every_thread(dtype) -> None:
-    """On packed weights a small step's products use the runner's threads without
-    ``split_gemv``; greedy tokens stay the same alone and batched."""
+def test_packed_weights_keep_every_thread_in_small_steps(dtype) -> None:
+    """On packed weights a small step runs on the runner's threads (no per-product thread
+    switching); greedy tokens stay the same alone and batched."""
     before = torch.get_num_threads()
     try:
         loaded = tiny_model(dtype=dtype)
@@ -211,7 +211,9 @@ def test_packed_weights_run_small_steps_products_on_every_thread(dtype) -> None:
         runner = ModelRunner(loaded, block_size=4, kv_cache_bytes=64 * 2**10, threads=2)
         assert runner.packed and not runner.split_gemv
         with runner._threads_for(1):
-            assert (SplitGemv.parts, torch.get_num_threads()) == (2, 1)
+            assert (SplitGemv.parts, torch.get_num_threads()) == (1, 2)
+        with runner._threads_for(1, fused=True):
+            assert torch.get_num_threads() == 1
         prompts = {"a": [5, 9, 3], "b": list(range(1, 12)), "c": [7] * 6, "d": [42]}
         alone = greedy_run(runner, prompts, steps=10, together=False)
         assert greedy_run(runner, prompts, steps=10, together=True) == alone

@@ -30,10 +30,9 @@ from splitserve.transfer.shm_cache import SharedKVCache
 if TYPE_CHECKING:
     from splitserve.models.fused_decode import FusedDecoder
 
-# Steps of fewer tokens than this run on one intra-op thread (their weight products excepted
-# when they are split across the runner's threads: with ``split_gemv``, or always on packed
-# weights, whose oneDNN products spread a few rows over the threads; see ``SplitGemv``,
-# ``models.llama.packed_linear``: a bfloat16 batch-1 step 39 -> 29 ms on 2 threads). MKL runs
+# Steps of fewer tokens than this run on one intra-op thread on plain weights (their weight
+# products excepted when ``split_gemv`` splits them across the runner's threads, see
+# ``SplitGemv``; packed weights keep every thread, see ``_threads_for``). MKL runs
 # those few-row products on one core whatever the thread count, and every other op of such a
 # step is too small to split, so a second OpenMP thread there only adds a fork/join per op: on
 # this box a batch-1 decode step took 46 ms at 1 thread and 54-64 ms at 2, and far worse when
@@ -216,7 +215,7 @@ class ModelRunner:
         if not rows:
             return StepResult()
         chunks = [plan.chunks[i] for i in rows]
-        with torch.inference_mode(), self._threads_for(1):
+        with torch.inference_mode(), self._threads_for(1, fused=True):
             tokens = sample(
                 logits[rows], [c.params for c in chunks], [c.num_output_tokens for c in chunks]
             )
@@ -230,7 +229,7 @@ class ModelRunner:
         tables, lens = self._decode_tables(decodes)
         slots = np.array([self._slot(c.block_table, c.start_pos) for c in decodes])
         input_ids = torch.tensor([c.token_ids[0] for c in decodes], dtype=torch.long)
-        with torch.inference_mode(), self._threads_for(1):
+        with torch.inference_mode(), self._threads_for(1, fused=True):
             threads = self.core_share.threads(self.threads)
             start = time.perf_counter()
             logits = self.fused.forward(
@@ -240,12 +239,18 @@ class ModelRunner:
             return logits
 
     @contextmanager
-    def _threads_for(self, num_tokens: int) -> Iterator[None]:
-        """One intra-op thread for small steps (see ``SMALL_STEP_TOKENS``), ``threads``
-        otherwise; weight products of steps up to ``SPLIT_GEMV_MAX_TOKENS`` split over
-        ``threads``. Restores the process-wide setting afterwards."""
-        small = num_tokens < SMALL_STEP_TOKENS
-        split = (self.split_gemv or self.packed) and num_tokens <= SPLIT_GEMV_MAX_TOKENS
+    def _threads_for(self, num_tokens: int, fused: bool = False) -> Iterator[None]:
+        """One intra-op thread for small steps (see ``SMALL_STEP_TOKENS``) and around the
+        fused path (``fused``: its kernel has threads of its own), ``threads`` otherwise;
+        weight products of steps up to ``SPLIT_GEMV_MAX_TOKENS`` split over ``threads``.
+        Restores the process-wide setting afterwards."""
+        # On packed weights every step keeps all the threads: oneDNN spreads even a one-row
+        # product over them, and changing torch's thread count around each product costs
+        # most when the engine runs outside the main thread, as in a worker (a bfloat16
+        # batch-1 step: 39 ms toggling, 33-35 ms steady there; 26-28 ms either way in the
+        # main thread).
+        small = fused or (num_tokens < SMALL_STEP_TOKENS and not self.packed)
+        split = self.split_gemv and not self.packed and num_tokens <= SPLIT_GEMV_MAX_TOKENS
         before = torch.get_num_threads()
         torch.set_num_threads(1 if small else self.threads)
         try:
