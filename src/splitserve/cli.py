@@ -57,8 +57,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--split-gemv",
         action="store_true",
-        help="split decode steps' weight products across --threads (faster on idle cores, "
-        "much slower when other processes hold them)",
+        help="split decode steps' weight products across --threads on plain weights (faster "
+        "on idle cores, much slower when other processes hold them); packed weights, the CPU "
+        "default, always use every thread",
     )
     p.add_argument(
         "--fused-decode",

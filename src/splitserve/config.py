@@ -65,7 +65,8 @@ class EngineConfig:
     threads: int | None = None
     # Split small decode steps' weight products across the threads (models.llama.SplitGemv):
     # ~10% faster at batch 1 on idle cores, far slower when other processes share them, so
-    # off by default (benchmarks/engine_throughput.py, docs/benchmarks.md).
+    # off by default (benchmarks/engine_throughput.py, docs/benchmarks.md). No effect on packed
+    # weights (models.llama.packed_weight), which keep every thread (docs/engine.md).
     split_gemv: bool = False
     # Run decode-only steps of up to 4 sequences through the fused numba kernel
     # (models/fused_decode.py) instead of the torch ops; falls back (with a log line) where numba

@@ -8,9 +8,8 @@ given. It serves one request at a time, as its users get it.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-from splitserve.cluster.vllm_worker import repo_root
+from splitserve.cluster.vllm_worker import first_executable, repo_root, venv_pythons
 
 VENV_ENV = "SPLITSERVE_LLAMACPP_VENV"
 INSTALL_HINT = "run `make install-llamacpp`"
@@ -23,12 +22,13 @@ CONTEXT_TOKENS = 8192
 def find_llamacpp_python() -> str:
     """The Python that has ``llama_cpp``: ``$SPLITSERVE_LLAMACPP_VENV/bin/python`` or the
     repository's ``.venv-llamacpp``. Raises ``ValueError`` naming ``make install-llamacpp``."""
-    venvs = [os.environ.get(VENV_ENV), str(repo_root() / ".venv-llamacpp")]
-    candidates = [Path(v) / "bin" / "python" for v in venvs if v]
-    for python in candidates:
-        if python.is_file() and os.access(python, os.X_OK):
-            return str(python)
-    raise ValueError(f"llama.cpp is not installed (looked for {candidates[-1]}); {INSTALL_HINT}")
+    candidates = venv_pythons(os.environ.get(VENV_ENV), str(repo_root() / ".venv-llamacpp"))
+    python = first_executable(candidates)
+    if python is None:
+        raise ValueError(
+            f"llama.cpp is not installed (looked for {candidates[-1]}); {INSTALL_HINT}"
+        )
+    return python
 
 
 def llamacpp_argv(python: str, gguf: str, host: str, port: int, threads: int) -> list[str]:

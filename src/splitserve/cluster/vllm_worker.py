@@ -119,12 +119,24 @@ def find_vllm_python(explicit: str | None = None) -> str:
     if explicit:
         candidates = [Path(explicit)]
     else:
-        venvs = [os.environ.get(VENV_ENV), str(repo_root() / ".venv-vllm")]
-        candidates = [Path(v) / "bin" / "python" for v in venvs if v]
+        candidates = venv_pythons(os.environ.get(VENV_ENV), str(repo_root() / ".venv-vllm"))
+    python = first_executable(candidates)
+    if python is None:
+        raise ValueError(f"vLLM is not installed (looked for {candidates[0]}); {_INSTALL_HINT}")
+    return python
+
+
+def venv_pythons(*venvs: str | None) -> list[Path]:
+    """``bin/python`` of each virtualenv directory given (``None`` and empty ones skipped)."""
+    return [Path(v) / "bin" / "python" for v in venvs if v]
+
+
+def first_executable(candidates: list[Path]) -> str | None:
+    """The first of ``candidates`` that is an executable file, or ``None``."""
     for python in candidates:
         if python.is_file() and os.access(python, os.X_OK):
             return str(python)
-    raise ValueError(f"vLLM is not installed (looked for {candidates[0]}); {_INSTALL_HINT}")
+    return None
 
 
 def check_has_vllm(python: str) -> None:

@@ -101,7 +101,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     A plain ``F.linear`` on CPU reorders the weight for oneDNN (bfloat16) or runs MKL on the
     plain layout (float32) on every call; the blocked copy runs the same products 1.3-2x faster
     for the few-row steps of decoding, with identical results for a row alone or in a batch
-    (``benchmarks/engine_vs_vllm.py``; docs/engine.md).
+    (``benchmarks/decode_kernels.py``; docs/engine.md).
     """
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
@@ -118,16 +118,9 @@ _PACK_ROWS_HINT = 16
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x @ W^T (+ bias)`` for ``x`` ``[rows, in]`` and a ``packed_weight``. With
-    ``SplitGemv`` on (a small step), the product runs on that many threads."""
-    if SplitGemv.parts == 1:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(SplitGemv.parts)
-    try:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    finally:
-        torch.set_num_threads(threads)
+    """``x @ W^T (+ bias)`` for ``x`` ``[rows, in]`` and a ``packed_weight``, on torch's
+    threads (oneDNN spreads even one row over them)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class RMSNorm(nn.Module):
