@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,8 +12,17 @@ import time
 import httpx
 
 from splitserve.cluster.local import die_with_parent, free_port
+from splitserve.common.tenants import DEFAULT_TENANT, TENANT_HEADER, sign
 
-__all__ = ["die_with_parent", "free_port", "metric", "start_worker", "stop_group", "wait_healthy"]
+__all__ = [
+    "as_router",
+    "die_with_parent",
+    "free_port",
+    "metric",
+    "start_worker",
+    "stop_group",
+    "wait_healthy",
+]
 
 
 def start_worker(
@@ -68,3 +78,17 @@ def metric(url: str, name: str, headers: dict | None = None) -> float:
         if sample == name or ("{" not in name and sample.split("{")[0] == name):
             total += float(value)
     return total
+
+
+def as_router(
+    url: str, path: str, body: dict, secret: str, tenant: str = DEFAULT_TENANT, **kw
+) -> httpx.Response:
+    """POST ``body`` to a worker signed as the router signs it (what lets a body carry
+    ``kv_peer`` or ``kv_transfer_params``)."""
+    content = json.dumps(body).encode()
+    headers = {
+        "content-type": "application/json",
+        TENANT_HEADER: sign(secret.encode(), "POST", path, tenant, content),
+        **kw.pop("headers", {}),
+    }
+    return httpx.post(f"{url}{path}", content=content, headers=headers, **kw)

@@ -19,6 +19,7 @@ from splitserve.cli_vllm import add_engine_choice, run_vllm_worker_from_args, se
 from splitserve.common.kv_events import add_kv_events_args
 from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S as DEFAULT_PEER_TIMEOUT_S
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.tenant_args import add_api_keys_arg, tenants_from_args
 from splitserve.engine.scheduler import SCHEDULING_POLICIES
 from splitserve.router.cli import add_router_parser
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
@@ -122,7 +123,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         config,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None,
+        tenants=tenants_from_args(args),
         max_waiting=args.max_waiting,
         served_model_name=args.served_model_name,
         log_level=args.log_level,
@@ -190,6 +191,13 @@ def serve_worker_args(args: argparse.Namespace) -> list[str]:
     return worker_args
 
 
+def _checked_keys_file(args: argparse.Namespace) -> str | None:
+    """The keys file ``serve`` passes on, read once here so a bad one fails before any
+    worker starts."""
+    tenants_from_args(args)
+    return args.api_keys or os.environ.get("SPLITSERVE_API_KEYS") or None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from splitserve.cluster.local import serve
     from splitserve.config import EngineConfig
@@ -203,6 +211,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model,
         worker_args=serve_worker_args(args),
         api_key=args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None,
+        api_keys_file=_checked_keys_file(args),
         ready_timeout=args.ready_timeout,
         topology=topology,
     )
@@ -216,6 +225,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="require 'Authorization: Bearer KEY' (default: $SPLITSERVE_API_KEY)",
     )
+    add_api_keys_arg(p)
     p.add_argument(
         "--max-waiting",
         type=int,

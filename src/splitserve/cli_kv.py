@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S as DEFAULT_PEER_TIMEOUT_S
+from splitserve.common.tenant_args import read_secret
 
 # The KV tier flags: (flag, KVTierConfig field). ``serve`` passes the same flags on.
 TIER_FLAGS = (
@@ -111,20 +111,6 @@ def disagg_config(args: argparse.Namespace):
         peer=args.kv_peer,
         peer_timeout_s=args.kv_peer_timeout,
     )
-
-
-def read_secret(path: str | None) -> bytes:
-    """The cluster secret for KV transfers: from a file, else $SPLITSERVE_KV_SECRET."""
-    if path is None:
-        return os.environ.get("SPLITSERVE_KV_SECRET", "").encode()
-    try:
-        with open(path, "rb") as f:
-            secret = f.read().strip()
-    except OSError as e:
-        raise ValueError(f"cannot read the KV secret file {path}: {e.strerror}") from e
-    if not secret:
-        raise ValueError(f"the KV secret file {path} is empty")
-    return secret
 
 
 def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:

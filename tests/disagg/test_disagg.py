@@ -12,7 +12,7 @@ import subprocess
 
 import httpx
 import pytest
-from procs import metric, start_worker, stop_group, wait_healthy
+from procs import as_router, metric, start_worker, stop_group, wait_healthy
 
 SECRET = "disagg-test-secret"
 MAX_TOKENS = 8
@@ -86,11 +86,8 @@ def body(prompt: list[int], **extra) -> dict:
 
 
 def prefill_leg(url: str, prompt: list[int]) -> dict:
-    r = httpx.post(
-        f"{url}/v1/completions",
-        json=body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
-        timeout=120,
-    )
+    leg = body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    r = as_router(url, "/v1/completions", leg, SECRET, timeout=120)
     assert r.status_code == 200, r.text
     params = r.json()["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
@@ -98,8 +95,8 @@ def prefill_leg(url: str, prompt: list[int]) -> dict:
 
 
 def decode_leg(url: str, prompt: list[int], params: dict) -> str:
-    r = httpx.post(
-        f"{url}/v1/completions", json=body(prompt, kv_transfer_params=params), timeout=120
+    r = as_router(
+        url, "/v1/completions", body(prompt, kv_transfer_params=params), SECRET, timeout=120
     )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
@@ -232,7 +229,7 @@ def test_wrong_cluster_secret_is_refused(cluster, offline):
 
 def test_malformed_kv_transfer_params_is_a_400(cluster):
     bad = {"do_remote_prefill": True, "remote_block_ids": "nope"}
-    r = httpx.post(f"{cluster['d']}/v1/completions", json=body([1, 2, 3], kv_transfer_params=bad))
+    r = as_router(cluster["d"], "/v1/completions", body([1, 2, 3], kv_transfer_params=bad), SECRET)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "kv_transfer_params"
 

@@ -7,7 +7,7 @@ import random
 
 import httpx
 import pytest
-from procs import free_port, metric, start_worker, stop_group, wait_healthy
+from procs import as_router, free_port, metric, start_worker, stop_group, wait_healthy
 
 SECRET = "peer-test-secret"
 API_KEY = "sk-peer-test"
@@ -39,7 +39,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 def complete(url: str, prompt: list[int], **extra) -> httpx.Response:
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
-    return httpx.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=120)
+    return as_router(url, "/v1/completions", body, SECRET, timeout=120)
 
 
 def answer(r: httpx.Response) -> tuple[str, int]:

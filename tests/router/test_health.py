@@ -142,7 +142,9 @@ def test_health_checker_probes_and_reports():
         urls = [up.url, down.url, sick.url]
         m = Membership([Worker(u) for u in urls], BreakerConfig(failure_threshold=1))
         pool = Pool(connect_timeout_s=1.0)
-        checker = HealthChecker(pool, m.all, m.report, headers={"authorization": "Bearer k"})
+        checker = HealthChecker(
+            pool, m.all, m.report, headers=lambda path: {"authorization": "Bearer k"}
+        )
         await checker.check_all()
         await pool.close()
         assert m.get(up.url).report == LoadReport(running=1, waiting=2)

@@ -49,10 +49,12 @@ class FakeEngine:
         self.fail_next_step = False
         self.waiting: list[_Req] = []
         self.running: list[_Req] = []
+        self.salts: list[str] = []  # the KV salt of every request added
 
     def add_request(
-        self, request_id, prompt_token_ids, params, prompt=None, keep_blocks=False
+        self, request_id, prompt_token_ids, params, prompt=None, salt="", keep_blocks=False
     ) -> None:
+        self.salts.append(salt)
         self.waiting.append(_Req(request_id, list(prompt_token_ids), params))
 
     def abort_request(self, request_id: str) -> None:

@@ -191,13 +191,16 @@ def test_metrics_count_tokens_latencies_and_errors():
     run_app(FakeEngine(), test)
 
 
-def test_a_worker_without_kv_peer_ignores_the_hint_and_lends_nothing():
+def test_a_client_written_kv_peer_or_transfer_is_refused_and_nothing_is_lent():
     async def test(client: httpx.AsyncClient) -> None:
-        hinted = completion(kv_peer="http://127.0.0.1:9")
-        r = await client.post("/v1/completions", json=hinted)
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "abc"
-        r = await client.post("/v1/completions", json=completion(kv_peer="127.0.0.1:9"))
-        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_peer"
+        for name, value in (
+            ("kv_peer", "http://127.0.0.1:9"),
+            ("kv_transfer_params", {"do_remote_prefill": True, "remote_host": "10.0.0.1"}),
+        ):
+            r = await client.post("/v1/completions", json=completion(**{name: value}))
+            assert r.status_code == 400, name
+            assert r.json()["error"]["param"] == name
+            assert "only be set by the router" in r.json()["error"]["message"]
         r = await client.post("/v1/kv/lease", json={"prompt_token_ids": [1, 2, 3]})
         assert r.status_code == 404 and r.json()["error"]["code"] == "kv_peer_disabled"
 

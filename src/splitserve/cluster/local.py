@@ -235,10 +235,13 @@ def serve(
     api_key: str | None = None,
     ready_timeout: float = 600.0,
     topology: Topology | None = None,
+    api_keys_file: str | None = None,
 ) -> int:
     """Run the deployment until SIGINT/SIGTERM; return the process exit code."""
     topology = topology or Topology()
     env = {"SPLITSERVE_API_KEY": api_key} if api_key else {}
+    if api_keys_file:
+        env["SPLITSERVE_API_KEYS"] = os.path.abspath(api_keys_file)
     url = f"http://{host}:{port}"
     if topology.disaggregated:
         stages = _pools(host, port, model, worker_args, env, topology)

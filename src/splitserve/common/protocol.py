@@ -96,6 +96,8 @@ class _SamplingFields(_Request):
     return_token_ids: bool = False
     kv_retention: KVRetention | None = None
     kv_peer: str | None = None  # set by the router: the session's home worker (worker.peer)
+    # vLLM's field: requests with different salts never share cached KV (common/tenants.py).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -126,6 +128,7 @@ class KVPrefetchRequest(_Request):
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 # ---- responses -----------------------------------------------------------------------------

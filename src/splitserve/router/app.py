@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
+from splitserve.common.tenants import DEFAULT_TENANT, Tenants
 from splitserve.router import upstream
 from splitserve.router.config import RouterConfig
 from splitserve.router.errors import RouterError
@@ -22,6 +23,7 @@ from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import make_policy
 from splitserve.router.proxy import Proxy
 from splitserve.router.ring import DEFAULT_VNODES
+from splitserve.router.vouch import Vouch
 from splitserve.router.worker import ROLES, Worker, healthy_workers
 
 
@@ -37,6 +39,8 @@ def create_app(config: RouterConfig) -> Front:
         lambda role: sum(w.role == role for w in healthy_workers(membership.all()))
     )
     state: dict[str, Any] = {}
+    tenants = _tenants(config)
+    vouch = Vouch(config.cluster_secret, config.worker_api_key)
     kv_index = KVIndex() if config.kv_events else None
     tokenizer = _tokenizer(config)
 
@@ -44,16 +48,13 @@ def create_app(config: RouterConfig) -> Front:
     async def lifespan(app: FastAPI):
         client = upstream.pool(config)
         probes = upstream.probe_pool(config)
-        probe_headers = (
-            {"authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else None
-        )
         checker = HealthChecker(
             probes,
             membership.all,
             membership.report,
             config.health_interval_s,
             config.health_timeout_s,
-            probe_headers,
+            vouch.probe,
         )
         subscriber = None
         if kv_index is not None:
@@ -68,6 +69,7 @@ def create_app(config: RouterConfig) -> Front:
             client,
             metrics,
             tokenizer,
+            vouch,
         )
         checker.start()
         try:
@@ -85,12 +87,24 @@ def create_app(config: RouterConfig) -> Front:
     app.state.kv_index = kv_index
     _install_error_handlers(app)
     app.include_router(_open_routes(membership, metrics))
-    endpoint = Endpoint(lambda: state["proxy"], metrics, config.api_key)
+    endpoint = Endpoint(lambda: state["proxy"], metrics, tenants)
     for path in COMPLETION_PATHS:
         app.router.routes.append(Route(path, endpoint, methods=["POST"]))
     app.router.routes.append(Route(MODELS_PATH, endpoint, methods=["GET"]))
     app.include_router(_admin_routes(membership, kv_index), dependencies=[Depends(_admin(config))])
     return Front(app, endpoint)
+
+
+def _tenants(config: RouterConfig) -> Tenants:
+    """The clients' keys; tenants other than the default need the cluster secret, since
+    that is how the workers learn whose request it is."""
+    tenants = Tenants.from_args(config.api_key, config.api_keys_file)
+    if set(tenants.by_id) - {DEFAULT_TENANT} and not config.cluster_secret:
+        raise ValueError(
+            "tenants need the cluster secret (--kv-secret-file or SPLITSERVE_KV_SECRET) "
+            "to tell the workers whose request each one is"
+        )
+    return tenants
 
 
 def _policy(config: RouterConfig, name: str, kv_index: KVIndex | None):

@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from splitserve.common.tenant_args import add_api_keys_arg, read_secret
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD, RouterConfig
 from splitserve.router.policies import POLICIES
 from splitserve.router.ring import DEFAULT_LOAD_FLOOR
@@ -56,6 +57,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' (default: $SPLITSERVE_API_KEY)",
+    )
+    add_api_keys_arg(p)
+    p.add_argument(
+        "--kv-secret-file",
+        default=None,
+        metavar="FILE",
+        help="the cluster secret: the router signs each request's tenant with it "
+        "(default: $SPLITSERVE_KV_SECRET; needed with --api-keys)",
     )
     p.add_argument(
         "--admin-key",
@@ -142,6 +151,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         api_key=args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None,
         admin_key=args.admin_key or os.environ.get("SPLITSERVE_ADMIN_KEY") or None,
         worker_api_key=args.worker_api_key or os.environ.get("SPLITSERVE_WORKER_API_KEY") or None,
+        api_keys_file=args.api_keys or os.environ.get("SPLITSERVE_API_KEYS") or None,
+        cluster_secret=read_secret(args.kv_secret_file),
         health_interval_s=args.health_interval,
         max_retries=args.max_retries,
         disaggregate=args.disaggregate,
@@ -162,7 +173,10 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.router.app import create_app
     from splitserve.router.server import RouterProtocol
 
-    app = create_app(config_from_args(args))
+    try:
+        app = create_app(config_from_args(args))
+    except ValueError as e:
+        raise SystemExit(f"splitserve router: error: {e}") from None
     quiet_gc()
     uvicorn.run(
         app,

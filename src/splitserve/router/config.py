@@ -22,9 +22,11 @@ class RouterConfig:
     """Everything ``create_app`` needs.
 
     ``workers`` are collocated (role ``both``); ``decode`` and ``prefill`` form the
-    disaggregated pools. ``api_key`` guards the OpenAI endpoints, ``admin_key`` (default:
-    ``api_key``) the membership endpoints, and ``worker_api_key`` is what the router sends to
-    the workers (default: the client's own ``Authorization`` header is forwarded).
+    disaggregated pools. ``api_key`` guards the OpenAI endpoints (``api_keys_file``: one
+    tenant per key, see ``common/tenants.py``), ``admin_key`` (default: ``api_key``) the
+    membership endpoints, and ``worker_api_key`` is what the router sends to the workers
+    (default: the client's own ``Authorization`` header is forwarded). With the
+    ``cluster_secret`` the router signs every request to a worker with its tenant.
     """
 
     decode: list[str] = field(default_factory=list)
@@ -38,6 +40,8 @@ class RouterConfig:
     api_key: str | None = None
     admin_key: str | None = None
     worker_api_key: str | None = None
+    api_keys_file: str | None = None
+    cluster_secret: bytes = field(default=b"", repr=False)
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
     failure_threshold: int = 3

@@ -13,6 +13,7 @@ import hmac
 from collections.abc import Callable
 from typing import Any
 
+from splitserve.common.tenants import Tenant, Tenants
 from splitserve.router.errors import RouterError
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.proxy import Proxy
@@ -31,29 +32,35 @@ class ClientGone(Exception):
 def check_bearer(expected: bytes | None, given: str, what: str) -> None:
     """Raise a 401 unless ``given`` (an Authorization header) is ``expected``."""
     if expected is not None and not hmac.compare_digest(given.encode(), expected):
-        raise RouterError(
-            401,
-            f"Incorrect or missing {what}; send 'Authorization: Bearer KEY'",
-            code="invalid_api_key",
-        )
+        raise unauthorized(what)
+
+
+def unauthorized(what: str) -> RouterError:
+    return RouterError(
+        401,
+        f"Incorrect or missing {what}; send 'Authorization: Bearer KEY'",
+        code="invalid_api_key",
+    )
 
 
 class Endpoint:
     """The OpenAI endpoints' ASGI app (also mounted in the FastAPI app under their paths)."""
 
     def __init__(
-        self, proxy: Callable[[], Proxy], metrics: RouterMetrics, api_key: str | None
+        self, proxy: Callable[[], Proxy], metrics: RouterMetrics, tenants: Tenants
     ) -> None:
         self.proxy = proxy  # created with the HTTP pool when the app starts
         self.metrics = metrics
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.tenants = tenants
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         timeline = Timeline.of(scope)
         try:
             headers = _headers(scope)
-            check_bearer(self.expected, headers.get("authorization", ""), "API key")
-            reply = await self._answer(scope, receive, headers, timeline)
+            tenant = self.tenants.authenticate(headers.get("authorization", ""))
+            if tenant is None:
+                raise unauthorized("API key")
+            reply = await self._answer(scope, receive, headers, tenant, timeline)
         except RouterError as e:
             await e.response()(scope, receive, send)
             return
@@ -63,12 +70,17 @@ class Endpoint:
         self.metrics.timeline(timeline)
 
     async def _answer(
-        self, scope: dict, receive: Any, headers: dict[str, str], timeline: Timeline
+        self,
+        scope: dict,
+        receive: Any,
+        headers: dict[str, str],
+        tenant: Tenant,
+        timeline: Timeline,
     ) -> Reply:
         if scope["path"] == MODELS_PATH:
-            return await self.proxy().models(headers, timeline)
+            return await self.proxy().models(headers, tenant.id, timeline)
         raw = await _body(receive)
-        return await self.proxy().completion(headers, raw, scope["path"], timeline)
+        return await self.proxy().completion(headers, raw, scope["path"], tenant.id, timeline)
 
 
 class Front:

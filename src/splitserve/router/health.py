@@ -115,14 +115,14 @@ class HealthChecker:
         report: Callable[[str, bool, LoadReport | None, int], None],
         interval_s: float = 1.0,
         timeout_s: float = 2.0,
-        headers: dict[str, str] | None = None,
+        headers: Callable[[str], dict[str, str]] | None = None,
     ) -> None:
         self.client = client
         self.workers = workers
         self.report = report
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self.headers = headers or {}
+        self.headers = headers or (lambda path: {})  # by path: a worker may want them signed
         self._metrics_only: set[str] = set()  # workers without /load: read /metrics
         self._task: asyncio.Task | None = None
 
@@ -130,7 +130,9 @@ class HealthChecker:
         """One ``/health`` and load round trip for one worker: ``/load`` from a splitserve
         worker, Prometheus ``/metrics`` from one that has no ``/load`` (a vLLM server)."""
         try:
-            status, _ = await self.client.fetch(worker.url, "/health", self.headers, self.timeout_s)
+            status, _ = await self.client.fetch(
+                worker.url, "/health", self.headers("/health"), self.timeout_s
+            )
             if status != 200:
                 return False, None, 0
             own = worker.in_flight
@@ -143,7 +145,9 @@ class HealthChecker:
 
     async def _load(self, url: str) -> LoadReport | None:
         if url not in self._metrics_only:
-            status, body = await self.client.fetch(url, "/load", self.headers, self.timeout_s)
+            status, body = await self.client.fetch(
+                url, "/load", self.headers("/load"), self.timeout_s
+            )
             data = json.loads(body) if status == 200 else None
             if isinstance(data, dict) and "running" in data:
                 return LoadReport.from_json(data)
@@ -151,7 +155,9 @@ class HealthChecker:
                 return None
             # No /load, or vLLM's own (``{"server_load": n}``, requests in its API server).
             self._metrics_only.add(url)
-        status, body = await self.client.fetch(url, "/metrics", self.headers, self.timeout_s)
+        status, body = await self.client.fetch(
+            url, "/metrics", self.headers("/metrics"), self.timeout_s
+        )
         return load_from_metrics(body.decode()) if status == 200 else None
 
     async def check_all(self) -> None:

@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from splitserve.common.tenants import DEFAULT_TENANT
 from splitserve.router import disagg
 from splitserve.router.body import forwarded
 from splitserve.router.body import parse as parse_body
@@ -44,6 +45,7 @@ from splitserve.router.replies import Buffered, Reply, Streamed
 from splitserve.router.session import prefix_key, session_key
 from splitserve.router.timing import Timeline, now
 from splitserve.router.upstream import Pool, Response, UpstreamError, dropped
+from splitserve.router.vouch import Vouch
 from splitserve.router.worker import Worker
 
 if TYPE_CHECKING:
@@ -59,6 +61,8 @@ PREFILL_HEADER = "X-Splitserve-Prefill-Worker"
 _PASSED_RESPONSE_HEADERS = ("content-type", "content-encoding", "cache-control")
 _HINT_TIMEOUT_S = 5.0
 PEER_FIELD = "kv_peer"  # the worker to pull a moved turn's KV from (worker.peer)
+# What only the router writes: these make a worker contact other hosts.
+ROUTER_FIELDS = (PEER_FIELD, "kv_transfer_params")
 
 
 class WorkerFailed(Exception):
@@ -84,6 +88,7 @@ class Placement:
     excluded: list[str] | None = None  # decode workers tried so far
     timeline: Timeline | None = None
     predicted: tuple[str, int] | None = None  # (decode worker, tokens its KV events showed)
+    tenant: str = DEFAULT_TENANT
 
 
 class Proxy:
@@ -98,8 +103,10 @@ class Proxy:
         client: Pool,
         metrics: RouterMetrics,
         tokenizer: ChatTokenizer | None = None,
+        vouch: Vouch | None = None,
     ) -> None:
         self.config = config
+        self.vouch = vouch or Vouch()
         self.tokenizer = tokenizer  # prompt ids for the policies (the kv-events policy)
         self.membership = membership
         self.policies = {"decode": decode, "prefill": prefill}
@@ -109,17 +116,25 @@ class Proxy:
         self._hints: set[asyncio.Future] = set()
 
     async def completion(
-        self, client_headers: Mapping[str, str], raw: bytes, path: str, timeline: Timeline
+        self,
+        client_headers: Mapping[str, str],
+        raw: bytes,
+        path: str,
+        tenant: str,
+        timeline: Timeline,
     ) -> Reply:
-        """``POST /v1/chat/completions`` or ``/v1/completions``; ``client_headers`` by
-        lower-case name, ``raw`` the request body."""
+        """``POST /v1/chat/completions`` or ``/v1/completions`` for ``tenant``;
+        ``client_headers`` by lower-case name, ``raw`` the request body."""
         body = parse_body(raw)
-        # Only the router names a peer (workers will call it): a client's is dropped.
-        rewrite = PEER_FIELD in body
-        body.pop(PEER_FIELD, None)
+        # Only the router names peers and transfer sources (workers will call them): a
+        # client's are dropped, never signed.
+        client_written = [name for name in ROUTER_FIELDS if name in body]
+        for name in client_written:
+            del body[name]
         timeline.parsed = now()
         headers = self._forward_headers(client_headers)
         placement = self._place(client_headers, body, timeline)
+        placement.tenant = tenant
         excluded: list[str] = []
         decode = self._pick("decode", placement.info, excluded)
         if decode is None:
@@ -127,7 +142,7 @@ class Proxy:
         placement.predicted = self._predicted(decode, placement.info)
         timeline.routed = now()
         if self.config.prefetch_hints and placement.info.session_key is not None:
-            self._prefetch_hint(decode, body, headers)
+            self._prefetch_hint(decode, body, headers, tenant)
         if self.config.disaggregate:
             await self._remote_prefill(path, body, headers, placement, decode)
         added: dict[str, Any] = {}  # the router's fields in the forwarded body
@@ -141,7 +156,7 @@ class Proxy:
             placement.relay = StreamRelay(log, body)
             placement.headers, placement.excluded = headers, excluded
             added.update(TOKEN_IDS_FIELD)
-        payload = forwarded(raw, body, added, rewrite)
+        payload = forwarded(raw, body, added, bool(client_written))
         return await self._with_retries(
             "decode",
             placement,
@@ -150,7 +165,9 @@ class Proxy:
             lambda w: self._send(w, "POST", path, payload, headers, stream, placement),
         )
 
-    def _prefetch_hint(self, worker: Worker, body: dict[str, Any], headers: dict[str, str]) -> None:
+    def _prefetch_hint(
+        self, worker: Worker, body: dict[str, Any], headers: dict[str, str], tenant: str
+    ) -> None:
         """Fire and forget: the worker promotes the prompt's tiered KV while this request
         goes through its prefill leg and queue. The hint is the request body itself, which
         the worker tokenizes as it will the request. A lost hint costs only itself."""
@@ -158,8 +175,10 @@ class Proxy:
         async def send() -> None:
             try:
                 hint = json.dumps(body).encode()
+                path = "/v1/kv/prefetch"
+                signed = self.vouch.headers(headers, tenant, "POST", path, hint)
                 r = await self.client.request(
-                    "POST", worker.url, "/v1/kv/prefetch", headers, hint, _HINT_TIMEOUT_S
+                    "POST", worker.url, path, signed, hint, _HINT_TIMEOUT_S
                 )
                 try:
                     await r.read()
@@ -182,11 +201,13 @@ class Proxy:
         self.metrics.kv_peer_hints.inc()
         return {PEER_FIELD: home.url}
 
-    async def models(self, client_headers: Mapping[str, str], timeline: Timeline) -> Reply:
+    async def models(
+        self, client_headers: Mapping[str, str], tenant: str, timeline: Timeline
+    ) -> Reply:
         """``GET /v1/models`` from any healthy worker."""
         info = RequestInfo()
         headers = self._forward_headers(client_headers)
-        placement = Placement(info, None, timeline=timeline)
+        placement = Placement(info, None, timeline=timeline, tenant=tenant)
         timeline.parsed = timeline.handler
         excluded: list[str] = []
         first = self._pick("decode", info, excluded)
@@ -288,7 +309,8 @@ class Proxy:
             self.policies[role].on_request_complete(worker, placement.info)
 
         try:
-            upstream = await self.client.request(method, worker.url, path, headers, payload)
+            signed = self.vouch.headers(headers, placement.tenant, method, path, payload)
+            upstream = await self.client.request(method, worker.url, path, signed, payload)
             timeline = placement.timeline
             headers_at = now()
             self.metrics.latency.observe(headers_at - started)
@@ -376,9 +398,9 @@ class Proxy:
         worker.in_flight += 1
         try:
             assert placement.headers is not None
-            upstream = await self.client.request(
-                "POST", worker.url, "/v1/completions", placement.headers, payload
-            )
+            path = "/v1/completions"
+            headers = self.vouch.headers(placement.headers, placement.tenant, "POST", path, payload)
+            upstream = await self.client.request("POST", worker.url, path, headers, payload)
             try:
                 if upstream.status != 200:
                     raise WorkerFailed(f"HTTP {upstream.status} on resume")
@@ -397,7 +419,9 @@ class Proxy:
         if stream.max_tokens is not None:
             return None
         assert placement.headers is not None
-        r = await self.client.request("GET", worker.url, "/v1/models", placement.headers)
+        path = "/v1/models"
+        headers = self.vouch.headers(placement.headers, placement.tenant, "GET", path, None)
+        r = await self.client.request("GET", worker.url, path, headers)
         try:
             body = await r.read()
         finally:
@@ -428,7 +452,8 @@ class Proxy:
         self.metrics.sent(worker.url, "prefill")
         params = None
         try:
-            r = await self.client.request("POST", worker.url, path, headers, payload)
+            signed = self.vouch.headers(headers, placement.tenant, "POST", path, payload)
+            r = await self.client.request("POST", worker.url, path, signed, payload)
             try:
                 answer = await r.read()
             finally:

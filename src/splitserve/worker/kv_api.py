@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from splitserve.common.protocol import ChatCompletionRequest, CompletionRequest, KVPrefetchRequest
 from splitserve.engine.outputs import RequestOutput
 from splitserve.worker.async_engine import AsyncEngine, EngineError
+from splitserve.worker.auth import WorkerAuth
 from splitserve.worker.disagg import DecodeSide, DisaggConfig, KVLoadFailed, PrefillSide
 from splitserve.worker.errors import APIError, bad_request
 from splitserve.worker.metrics import WorkerMetrics
@@ -53,7 +54,7 @@ class KVSides:
         engine: Any,
         calls: AsyncEngine,
         metrics: WorkerMetrics,
-        api_key: str | None = None,
+        auth: WorkerAuth,
     ) -> KVSides:
         if not cfg.secret:
             return cls(None, None)
@@ -61,7 +62,7 @@ class KVSides:
         decode = DecodeSide(cfg, engine, calls, metrics) if cfg.role != "prefill" else None
         peer = None
         if cfg.peer and server is not None and decode is not None:
-            peer = PeerKV(cfg, server, decode, calls, metrics, api_key)
+            peer = PeerKV(cfg, server, decode, calls, metrics, auth)
         return cls(server, decode, peer, prefill_legs=cfg.role != "decode")
 
     def start(self) -> None:
@@ -78,29 +79,32 @@ class KVSides:
         return self.server.leases.leased_blocks() if self.server is not None else 0
 
 
-def kv_routes(async_engine: AsyncEngine, model: ModelInfo, kv: KVSides) -> APIRouter:
+def kv_routes(
+    async_engine: AsyncEngine, model: ModelInfo, kv: KVSides, auth: WorkerAuth
+) -> APIRouter:
     """``/v1/kv/prefetch`` (promote a prompt's KV from lower tiers) and ``/v1/kv/lease``
     (lend a prompt's cached KV to a peer)."""
     router = APIRouter()
 
     @router.post("/v1/kv/prefetch")
     async def prefetch(request: Request) -> dict[str, Any]:
-        ids = await prefetch_ids(request, model)
+        ids, cache_salt = await prefetch_ids(request, model)
         if getattr(async_engine.engine, "prefetch", None) is None:
             return {"object": "kv.prefetch", "blocks": 0}
-        blocks = await _engine_answers(async_engine.call(lambda e: e.prefetch(ids)))
+        salt = auth.salt(request, cache_salt)
+        blocks = await _engine_answers(async_engine.call(lambda e: e.prefetch(ids, salt)))
         return {"object": "kv.prefetch", "blocks": blocks}
 
     @router.post("/v1/kv/lease")
     async def lease(request: Request) -> dict[str, Any]:
-        ids = await prefetch_ids(request, model)
+        ids, cache_salt = await prefetch_ids(request, model)
         if kv.peer is None:
             raise APIError(
                 404,
                 "this worker does not lend KV to peers (start it with --kv-peer)",
                 code="kv_peer_disabled",
             )
-        return await _engine_answers(kv.peer.lease(ids))
+        return await _engine_answers(kv.peer.lease(ids, auth.salt(request, cache_salt)))
 
     return router
 
@@ -113,8 +117,9 @@ async def _engine_answers(work: Awaitable[T]) -> T:
         raise APIError(503, str(e), code="engine_unavailable") from e
 
 
-async def prefetch_ids(request: Request, model: ModelInfo) -> list[int]:
-    """The prompt a prefetch hint names: token ids, or a chat or completion request body."""
+async def prefetch_ids(request: Request, model: ModelInfo) -> tuple[list[int], str | None]:
+    """The prompt a prefetch hint names (token ids, or a chat or completion request body),
+    and its ``cache_salt``."""
     hint = await parse_body(request, KVPrefetchRequest)
     if hint.prompt_token_ids is not None:
         ids = hint.prompt_token_ids
@@ -129,7 +134,7 @@ async def prefetch_ids(request: Request, model: ModelInfo) -> list[int]:
             f"prompt_token_ids must be non-empty, each in [0, {model.vocab_size})",
             param="prompt_token_ids",
         )
-    return ids
+    return ids, hint.cache_salt
 
 
 def retention(req: ChatCompletionRequest | CompletionRequest, request: Request, engine: Any):
@@ -153,7 +158,7 @@ def session_of(req: ChatCompletionRequest | CompletionRequest, request: Request)
 
 
 def tool_call_pin(
-    async_engine: AsyncEngine, session: str
+    async_engine: AsyncEngine, session: str, salt: str = ""
 ) -> Callable[[RequestOutput], Awaitable[None]]:
     """What to do when a reply called tools: keep the session's KV pinned in the device pool
     for the default TTL, since the session returns with the tool's result."""
@@ -161,7 +166,7 @@ def tool_call_pin(
     async def pin(out: RequestOutput) -> None:
         ids = out.prompt_token_ids + out.outputs[0].token_ids
         try:
-            await async_engine.call(lambda e: e.retain_prefix(ids, session))
+            await async_engine.call(lambda e: e.retain_prefix(ids, session, salt=salt))
         except EngineError:
             log.warning("could not pin the KV of session %s after its tool calls", session)
 
@@ -169,14 +174,20 @@ def tool_call_pin(
 
 
 async def kv_transfer(
-    req: ChatCompletionRequest | CompletionRequest, inp: EngineInput, kv: KVSides
+    req: ChatCompletionRequest | CompletionRequest,
+    inp: EngineInput,
+    kv: KVSides,
+    request: Request,
 ) -> tuple[EngineInput, bool]:
     """Apply the request's ``kv_transfer_params``: a prefill leg computes one token and keeps
     the KV (returns keep=True); a decode leg first pulls the prompt's KV from the prefill
     worker. Without them, a turn naming a ``kv_peer`` first pulls what that peer holds of
-    the prompt's KV. Without either, nothing changes."""
+    the prompt's KV. Without either, nothing changes. Only a request the router signed may
+    carry either: they make this worker contact other hosts."""
+    _only_signed(req, request)
     peer = _peer_hint(req)
     params = req.kv_transfer_params or {}
+    salt, tenant = request.state.kv_salt, request.state.tenant
     if params.get("do_remote_decode"):
         if kv.prefill is None:
             raise bad_request(
@@ -189,14 +200,24 @@ async def kv_transfer(
         one = dataclasses.replace(inp.params, max_tokens=1)
         return dataclasses.replace(inp, params=one), True
     if params.get("do_remote_prefill"):
-        await _import_prefill(params, inp, kv)
+        await _import_prefill(params, inp, kv, salt)
     elif peer is not None and kv.peer is not None:
         # A worker without the feature ignores the hint: it is only ever a shortcut.
-        await kv.peer.fetch(inp.prompt_token_ids, peer)
+        await kv.peer.fetch(inp.prompt_token_ids, peer, tenant, req.cache_salt, salt)
     return inp, False
 
 
-async def _import_prefill(params: dict[str, Any], inp: EngineInput, kv: KVSides) -> None:
+def _only_signed(req: ChatCompletionRequest | CompletionRequest, request: Request) -> None:
+    if request.state.signed:
+        return
+    for name in ("kv_peer", "kv_transfer_params"):
+        if getattr(req, name):
+            raise bad_request(
+                f"{name} may only be set by the router (a signed request)", param=name
+            )
+
+
+async def _import_prefill(params: dict[str, Any], inp: EngineInput, kv: KVSides, salt: str) -> None:
     """A decode leg: pull the prompt's KV from the prefill worker that computed it."""
     if kv.decode is None:
         raise bad_request(
@@ -204,7 +225,7 @@ async def _import_prefill(params: dict[str, Any], inp: EngineInput, kv: KVSides)
             param="kv_transfer_params",
         )
     try:
-        await kv.decode.import_kv(inp.prompt_token_ids, dict(params))
+        await kv.decode.import_kv(inp.prompt_token_ids, dict(params), salt)
     except ValueError as e:
         raise bad_request(str(e), param="kv_transfer_params") from e
     except KVLoadFailed as e:

@@ -7,6 +7,7 @@ import os
 
 import uvicorn
 
+from splitserve.common.tenants import Tenants
 from splitserve.config import EngineConfig
 from splitserve.worker.disagg import DisaggConfig
 
@@ -20,6 +21,7 @@ def run_worker(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
+    tenants: Tenants | None = None,
     max_waiting: int | None = None,
     served_model_name: str | None = None,
     log_level: str = "info",
@@ -60,6 +62,7 @@ def run_worker(
     app = create_app(
         engine,
         api_key=api_key,
+        tenants=tenants,
         max_waiting=max_waiting,
         served_model_name=served_model_name,
         disagg=disagg,

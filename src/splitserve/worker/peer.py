@@ -23,7 +23,9 @@ is always computed here, see ``BlockManager.reusable_blocks``).
 
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,6 +33,7 @@ import httpx
 
 from splitserve.common.protocol import make_id
 from splitserve.transfer import RemoteKV
+from splitserve.worker.auth import WorkerAuth
 from splitserve.worker.disagg import DecodeSide, DisaggConfig, EngineCalls, PrefillSide
 from splitserve.worker.metrics import WorkerMetrics
 
@@ -63,54 +66,63 @@ class PeerKV:
         decode: DecodeSide,
         calls: EngineCalls,
         metrics: WorkerMetrics,
-        api_key: str | None = None,
+        auth: WorkerAuth,
     ) -> None:
         self.server = server
         self.decode = decode
         self.calls = calls
         self.metrics = metrics
         self.timeout_s = cfg.peer_timeout_s
-        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.auth = auth
         self._http: httpx.AsyncClient | None = None
 
     # ---- the home: lend the leading cached blocks of a prompt ----------------------------
 
-    async def lease(self, prompt: list[int]) -> dict[str, Any]:
+    async def lease(self, prompt: list[int], salt: str = "") -> dict[str, Any]:
         """The ``POST /v1/kv/lease`` answer for ``prompt``: the leased blocks'
         ``kv_transfer_params``, or none when the device pool holds none of its blocks."""
-        params = await self.calls.call_now(lambda engine: self._lease_on_engine(engine, prompt))
+        params = await self.calls.call_now(lambda e: self._lease_on_engine(e, prompt, salt))
         blocks = 0 if params is None else len(params["block_hashes"])
         self.metrics.kv_peer_leases.labels("granted" if params else "empty").inc()
         return {"object": "kv.lease", "blocks": blocks, "kv_transfer_params": params}
 
-    def _lease_on_engine(self, engine: Any, prompt: list[int]) -> dict[str, Any] | None:
+    def _lease_on_engine(self, engine: Any, prompt: list[int], salt: str) -> dict[str, Any] | None:
         # Refs and lease are taken together under the engine's lock (between two model runs,
         # so a busy home answers in milliseconds): a caller that goes away meanwhile leaves
         # a lease that expires, never a reference nobody drops.
-        kept = engine.lease_prefix(prompt)
+        kept = engine.lease_prefix(prompt, salt)
         if kept is None:
             return None
         return self.server.grant(make_id("peer"), kept, len(prompt), PEER_LEASE_TTL_S)
 
     # ---- the chosen worker: pull what the home holds and this worker lacks ---------------
 
-    async def fetch(self, prompt: list[int], peer: str) -> str:
+    async def fetch(
+        self,
+        prompt: list[int],
+        peer: str,
+        tenant: str,
+        cache_salt: str | None = None,
+        salt: str = "",
+    ) -> str:
         """Pull the prompt's leading KV blocks from ``peer`` where it holds more than this
-        worker; returns the outcome (also counted). Never raises for a failed pull."""
-        outcome, reason = await self._fetch(prompt, peer)
+        worker; returns the outcome (also counted). Never raises for a failed pull. The
+        lease is asked on ``tenant``'s behalf, so the peer salts its hashes as this worker
+        does (``salt``)."""
+        outcome, reason = await self._fetch(prompt, peer, _Owner(tenant, cache_salt, salt))
         self.metrics.kv_peer_fetches.labels(outcome).inc()
         if reason is not None:
             self.metrics.kv_peer_fallbacks.labels(reason).inc()
             log.info("peer KV fetch from %s failed (%s); computing locally", peer, reason)
         return outcome
 
-    async def _fetch(self, prompt: list[int], peer: str) -> tuple[str, str | None]:
+    async def _fetch(self, prompt: list[int], peer: str, owner: _Owner) -> tuple[str, str | None]:
         usable = self.decode.engine.block_manager.reusable_blocks(len(prompt))
-        local = await self.decode.local_blocks(prompt) if usable else 0
+        local = await self.decode.local_blocks(prompt, owner.salt) if usable else 0
         if local >= usable:
             return "held_locally", None
         try:
-            remote = await self._lease(peer, prompt)
+            remote = await self._lease(peer, prompt, owner)
         except httpx.TimeoutException:
             return "fallback", "timeout"
         except httpx.TransportError:
@@ -120,7 +132,7 @@ class PeerKV:
             return "fallback", "peer_error"
         if remote is None:
             return "nothing_held", None
-        result = await self.decode.pull(prompt, remote, local=local)
+        result = await self.decode.pull(prompt, remote, owner.salt, local=local)
         if result.fallback is not None:
             return "fallback", result.fallback
         if not result.remote:
@@ -128,11 +140,15 @@ class PeerKV:
         self.metrics.kv_peer_blocks_received.inc(result.blocks)
         return "pulled", None
 
-    async def _lease(self, peer: str, prompt: list[int]) -> RemoteKV | None:
+    async def _lease(self, peer: str, prompt: list[int], owner: _Owner) -> RemoteKV | None:
         """Ask ``peer`` to lease the prompt's blocks; ``ValueError`` on a malformed answer."""
         http = self._client()
-        body = {"prompt_token_ids": prompt}
-        r = await http.post(peer + LEASE_PATH, json=body, headers=self._headers)
+        hint: dict[str, Any] = {"prompt_token_ids": prompt}
+        if owner.cache_salt:
+            hint["cache_salt"] = owner.cache_salt
+        body = json.dumps(hint).encode()
+        headers = self.auth.signed_headers(owner.tenant, "POST", LEASE_PATH, body)
+        r = await http.post(peer + LEASE_PATH, content=body, headers=headers)
         r.raise_for_status()
         answer = r.json()
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
@@ -148,3 +164,12 @@ class PeerKV:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Owner:
+    """Whose KV a fetch moves: the tenant asked for, and the salt of its block hashes."""
+
+    tenant: str
+    cache_salt: str | None
+    salt: str

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
@@ -23,7 +22,9 @@ from splitserve.common.protocol import (
     make_id,
 )
 from splitserve.common.sampling_params import InvalidParameter
+from splitserve.common.tenants import Tenants
 from splitserve.worker.async_engine import AsyncEngine, EngineError, EngineLike, QueueFull
+from splitserve.worker.auth import WorkerAuth
 from splitserve.worker.disagg import DisaggConfig
 from splitserve.worker.errors import APIError, bad_request, install_handlers
 from splitserve.worker.kv_api import (
@@ -68,6 +69,7 @@ def create_app(
     engine: EngineLike,
     *,
     api_key: str | None = None,
+    tenants: Tenants | None = None,
     max_waiting: int | None = None,
     served_model_name: str | None = None,
     disagg: DisaggConfig | None = None,
@@ -75,7 +77,8 @@ def create_app(
     """A FastAPI app serving ``engine``; the engine thread runs for the app's lifespan.
 
     ``engine`` needs ``tokenizer``, ``model_id``, ``max_model_len`` and
-    ``model_config.vocab_size`` besides the ``EngineLike`` methods.
+    ``model_config.vocab_size`` besides the ``EngineLike`` methods. Clients authenticate
+    with ``tenants``' keys (default: ``api_key`` alone, or none).
     """
     model = ModelInfo(
         name=served_model_name or engine.model_id,  # type: ignore[attr-defined]
@@ -86,7 +89,9 @@ def create_app(
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     metrics = WorkerMetrics(lambda: async_engine.load)
     async_engine.on_step = metrics.step
-    kv = KVSides.build(disagg or DisaggConfig(), engine, async_engine, metrics, api_key)
+    disagg = disagg or DisaggConfig()
+    auth = WorkerAuth(tenants or Tenants.from_args(api_key, None), disagg.secret)
+    kv = KVSides.build(disagg, engine, async_engine, metrics, auth)
     if getattr(engine, "tiering", None) is not None:
         TierCollector(engine, metrics.registry)
 
@@ -106,27 +111,10 @@ def create_app(
     app.state.metrics = metrics
     install_handlers(app)
     app.include_router(_open_routes(async_engine, metrics))
-    auth = [Depends(_auth(api_key))]
-    app.include_router(_api_routes(async_engine, metrics, model, kv), dependencies=auth)
-    app.include_router(kv_routes(async_engine, model, kv), dependencies=auth)
+    guard = [Depends(auth)]
+    app.include_router(_api_routes(async_engine, metrics, model, kv, auth), dependencies=guard)
+    app.include_router(kv_routes(async_engine, model, kv, auth), dependencies=guard)
     return app
-
-
-def _auth(api_key: str | None):
-    expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise APIError(
-                401,
-                "Incorrect or missing API key; send 'Authorization: Bearer KEY'",
-                code="invalid_api_key",
-            )
-
-    return check
 
 
 def _open_routes(async_engine: AsyncEngine, metrics: WorkerMetrics) -> APIRouter:
@@ -146,7 +134,11 @@ def _open_routes(async_engine: AsyncEngine, metrics: WorkerMetrics) -> APIRouter
 
 
 def _api_routes(
-    async_engine: AsyncEngine, metrics: WorkerMetrics, model: ModelInfo, kv: KVSides
+    async_engine: AsyncEngine,
+    metrics: WorkerMetrics,
+    model: ModelInfo,
+    kv: KVSides,
+    auth: WorkerAuth,
 ) -> APIRouter:
     router = APIRouter()
 
@@ -170,16 +162,14 @@ def _api_routes(
     @router.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req = _check_model(await parse_body(request, ChatCompletionRequest), model)
-        return await _serve(
-            request, req, chat_input(req, model), True, model, async_engine, metrics, kv
-        )
+        inp = chat_input(req, model)
+        return await _serve(request, req, inp, True, model, async_engine, metrics, kv, auth)
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = _check_model(await parse_body(request, CompletionRequest), model)
-        return await _serve(
-            request, req, completion_input(req, model), False, model, async_engine, metrics, kv
-        )
+        inp = completion_input(req, model)
+        return await _serve(request, req, inp, False, model, async_engine, metrics, kv, auth)
 
     return router
 
@@ -200,17 +190,26 @@ async def _serve(
     async_engine: AsyncEngine,
     metrics: WorkerMetrics,
     kv: KVSides,
+    auth: WorkerAuth,
 ) -> Response:
     request_id = make_id("chatcmpl" if chat else "cmpl")
     tools = chat and offers_tools(req)  # type: ignore[arg-type]
+    salt = request.state.kv_salt = auth.salt(request, req.cache_salt)
     options = retention(req, request, async_engine.engine)
     on_tool_calls = None
     if tools and hasattr(async_engine.engine, "retain_prefix"):
-        on_tool_calls = tool_call_pin(async_engine, session_of(req, request) or request_id)
-    inp, keep = await kv_transfer(req, inp, kv)
+        session = session_of(req, request) or request_id
+        on_tool_calls = tool_call_pin(async_engine, session, salt)
+    inp, keep = await kv_transfer(req, inp, kv, request)
     try:
         stream = await async_engine.add(
-            request_id, inp.prompt_token_ids, inp.params, inp.prompt, keep_blocks=keep, **options
+            request_id,
+            inp.prompt_token_ids,
+            inp.params,
+            inp.prompt,
+            keep_blocks=keep,
+            salt=salt,
+            **options,
         )
     except QueueFull as e:
         raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full") from e
