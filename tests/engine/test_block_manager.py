@@ -219,3 +219,17 @@ def test_a_chain_of_another_block_size_or_root_is_replaced():
     salted = make_seq(list(range(20)), "b", root=root_hash("test-model", "tenant"))
     salted.chain = seq.chain
     assert bm.match_prefix(salted).block_ids == []
+
+
+def test_uncache_evicts_free_blocks_first_in_line_and_reports_blocks_in_use():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    done, running = make_seq(list(range(9)), "done"), make_seq(list(range(100, 109)), "run")
+    admit(bm, done)
+    admit(bm, running)
+    bm.free(done)
+    hashes = hash_blocks(list(range(9)), ROOT, BS) + hash_blocks(list(range(100, 109)), ROOT, BS)
+    freed, in_use = bm.uncache(hashes + [b"\0" * 16])
+    assert freed == [0, 1] and in_use == running.block_hashes
+    assert bm.blocks[0].hash is None and bm.num_cached_blocks == 2
+    assert list(bm._free)[:2] == [1, 0]  # reused before any cached block
+    assert bm.cached_ids(hashes) == set(running.block_table[:2])

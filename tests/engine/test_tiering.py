@@ -275,3 +275,15 @@ def test_shortest_prefill_counts_what_lower_tiers_hold_as_not_to_compute():
         # fcfs: "cold" took the budget before "warm" was looked at; shortest-prefill: "warm"
         # went first and left the queue to wait for its load, then "cold" was admitted
         assert list(tiering.loading) == loading, policy
+
+
+def test_unpin_holding_ends_only_the_pins_that_hold_an_erased_block():
+    sched, tiering = make(retention=RetentionConfig(10.0))
+    for rid, first, session in (("a", 1, "s1"), ("b", 50, "s2")):
+        sched.add(seq(rid, 9, first, retention_s=5.0, session_id=session))
+        run(sched)
+    bm = sched.block_manager
+    held = bm.cached_ids(hash_blocks(list(range(1, 9)), ROOT, BS))
+    assert tiering.unpin_holding(held) == 1 and list(tiering._pins) == ["s2"]
+    assert all(bm.blocks[b].ref_count == 0 for b in held)
+    assert tiering.unpin_holding(held) == 0

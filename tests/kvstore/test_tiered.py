@@ -149,3 +149,31 @@ def test_concurrent_puts_and_gets_do_not_corrupt(tmp_path):
     for i in range(60):
         data = store.get(HASHES[i])
         assert data is None or data == payload(i)
+
+
+def test_erase_removes_every_copy_and_a_queued_write_never_lands(tmp_path):
+    host, disk = HostTier(1 << 20), DiskTier(tmp_path, 1 << 20, "m")
+    s = TieredStore([host, disk], write_through=True)
+    try:
+        for i in range(3):
+            s.put(HASHES[i], payload(i))
+        assert s.flush(5)
+        gate = threading.Event()
+        real_put = disk.put
+
+        def slow_put(*args, **kwargs):
+            gate.wait(5)
+            return real_put(*args, **kwargs)
+
+        disk.put = slow_put  # the writer holds HASHES[3] while HASHES[4] waits in the queue
+        s.put(HASHES[3], payload(3))
+        s.put(HASHES[4], payload(4))
+        threading.Timer(0.2, gate.set).start()
+        erased = s.erase([HASHES[0], HASHES[3], HASHES[4], HASHES[9]])
+        assert erased.per_tier[0] == 3 and erased.queued == 2
+        assert erased.per_tier[1] in (1, 2)  # HASHES[3] if its write was under way
+        assert s.flush(5)
+        assert not any(s.contains(h) for h in (HASHES[0], HASHES[3], HASHES[4]))
+        assert {p.name for p in tmp_path.rglob("*.kvb")} == {f"{h.hex()}.kvb" for h in HASHES[1:3]}
+    finally:
+        s.close(5)

@@ -12,7 +12,7 @@ head of the queue so that cached ones are evicted last, oldest first.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -334,6 +334,29 @@ class BlockManager:
                     free.appendleft(block_id)
                 else:
                     free.append(block_id)
+
+    def cached_ids(self, hashes: Iterable[BlockHash]) -> set[int]:
+        """The blocks cached under any of ``hashes`` (in use or free)."""
+        cached = self._cached
+        return {b for h in hashes if (b := cached.get(h)) is not None}
+
+    def uncache(self, hashes: Iterable[BlockHash]) -> tuple[list[int], list[BlockHash]]:
+        """Erase: evict the free blocks cached under ``hashes`` now (first in line for reuse,
+        ``events`` hears of each) and return their ids, with the hashes whose block is in use
+        (referenced: a running request, a pin, a lease, a copy), which stay cached."""
+        freed: list[int] = []
+        in_use: list[BlockHash] = []
+        for h in hashes:
+            block_id = self._cached.get(h)
+            if block_id is None:
+                continue
+            if self._ref[block_id]:
+                in_use.append(h)
+                continue
+            self._evict(block_id)
+            self._free.move_to_front(block_id)
+            freed.append(block_id)
+        return freed, in_use
 
     def reset_prefix_cache(self) -> None:
         """Evict every free cached block. When that empties the cache, ``events`` hears

@@ -88,6 +88,16 @@ class KVMover:
             if not self._done and self._pending:
                 self._cv.wait(timeout_s)
 
+    def idle(self) -> bool:
+        """Whether every copy submitted has finished and been collected."""
+        with self._cv:
+            return not self._pending and not self._done
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every copy submitted has finished; False if ``timeout_s`` ran out."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._pending, timeout_s)
+
     def close(self, timeout_s: float = 5.0) -> bool:
         """Finish the copies already submitted, then stop; True if the thread ended in time."""
         self._jobs.put((_STOP, next(self._order), None))

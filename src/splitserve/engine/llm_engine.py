@@ -12,6 +12,7 @@ from splitserve.common.sampling_params import InvalidParameter, SamplingParams
 from splitserve.config import EngineConfig
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.erasure import ErasedBlocks, erase_blocks
 from splitserve.engine.outputs import CompletionOutput, KeptBlocks, RequestOutput
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
 from splitserve.engine.sequence import Sequence
@@ -19,7 +20,7 @@ from splitserve.engine.tiering import RetentionConfig, Tiering
 from splitserve.kvstore.ladder import Ladder, build_ladder
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Collection
 
     from splitserve.engine.kv_mover import KVMover
     from splitserve.engine.plan import StepPlan
@@ -211,6 +212,11 @@ class LLMEngine:
         block_ids = self.block_manager.cached_blocks(hashes, token_ids)
         ttl = self.tiering.retention.default_ttl_s if ttl_s is None else ttl_s
         return self.tiering.pin(session_id, block_ids, ttl)
+
+    def erase_blocks(self, hashes: Collection[bytes]) -> ErasedBlocks:
+        """Erase these blocks' KV from the device pool, its pins and every lower tier (disk
+        files unlinked); blocks in use stay and are counted. See ``engine.erasure``."""
+        return erase_blocks(self, hashes)
 
     def housekeeping(self) -> None:
         """Between steps, also when idle: apply finished tier copies and expire pins."""

@@ -25,6 +25,7 @@ from splitserve.models.attention import (
 )
 from splitserve.models.llama import SplitGemv
 from splitserve.models.loader import LoadedModel
+from splitserve.transfer.kv_pages import zero_blocks
 from splitserve.transfer.shm_cache import SharedKVCache
 
 if TYPE_CHECKING:
@@ -158,6 +159,11 @@ class ModelRunner:
         """Unlink the shared cache's name, if any (the cache itself stays usable)."""
         if self.kv_segment is not None:
             self.kv_segment.close()
+
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """Overwrite KV blocks with zeros (erased KV); between steps, on the engine thread."""
+        if block_ids:
+            zero_blocks(self.kv_cache, block_ids)
 
     @staticmethod
     def set_threads(n: int) -> None:

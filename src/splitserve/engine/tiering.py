@@ -321,6 +321,13 @@ class Tiering:
             self.stats.pins_expired += 1
         return len(expired)
 
+    def unpin_holding(self, block_ids: set[int]) -> int:
+        """Erase: end every pin that holds one of ``block_ids``; returns how many."""
+        holding = [s for s, p in self._pins.items() if not block_ids.isdisjoint(p.block_ids)]
+        for session in holding:
+            self._unpin(session)
+        return len(holding)
+
     def _unpin(self, session: str) -> None:
         pin = self._pins.pop(session, None)
         if pin is not None:

@@ -188,7 +188,9 @@ class DiskTier(KVTier):
 
     def _scan(self) -> None:
         found: list[tuple[float, BlockHash, int]] = []
-        for path in self.directory.glob("*/*"):
+        # Block files live in two-hex-digit folders; other folders are not the tier's own
+        # (the owner log of ``kvstore.owner_log`` keeps its files next to the blocks).
+        for path in self.directory.glob("[0-9a-f][0-9a-f]/*"):
             entry = self._scan_file(path)
             if entry is not None:
                 found.append(entry)

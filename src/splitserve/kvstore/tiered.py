@@ -19,12 +19,20 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from splitserve.kvstore.base import BlockHash, BlockMeta, KVTier, StoredBlock, TierUsage, to_block
 
 _STOP = object()
+
+
+class Erased(NamedTuple):
+    """What ``TieredStore.erase`` removed: blocks per tier (ladder order), queued copies."""
+
+    per_tier: list[int]
+    queued: int
 
 
 @dataclass(slots=True)
@@ -61,6 +69,7 @@ class TieredStore:
         # Blocks queued for a lower tier, still readable meanwhile; guarded by _cv.
         self._pending: dict[BlockHash, StoredBlock] = {}
         self._in_flight = 0
+        self._writing: BlockHash | None = None  # the hash the writer is storing right now
         self._cv = threading.Condition()
         self._closed = False
         for i, tier in enumerate(self.tiers[:-1]):
@@ -117,6 +126,22 @@ class TieredStore:
         """Drop the block from every tier (a queued write may still land afterwards)."""
         return any([tier.evict(block_hash) for tier in self.tiers])
 
+    def erase(self, hashes: Iterable[BlockHash]) -> Erased:
+        """Remove ``hashes`` from every tier for good: from the top tier, from the write
+        queue (a queued copy is never written), then from the lower tiers (a disk file is
+        unlinked), after any write of them under way has landed.
+
+        Callers keep other threads from putting these blocks meanwhile (the engine lets its
+        mover finish first): a block put again while it is erased may survive."""
+        wanted = set(hashes)
+        top = sum(self.tiers[0].evict(h) for h in wanted)
+        with self._cv:
+            queued = sum(self._pending.pop(h, None) is not None for h in wanted)
+            while self._writing in wanted:
+                self._cv.wait()
+        lower = [sum(tier.evict(h) for h in wanted) for tier in self.tiers[1:]]
+        return Erased([top, *lower], queued)
+
     def usage(self) -> list[TierUsage]:
         """Usage of each tier, in ladder order."""
         return [tier.usage() for tier in self.tiers]
@@ -153,7 +178,11 @@ class TieredStore:
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not _STOP:
             block_hash, block, targets = item
-            for i in targets:
+            with self._cv:
+                # Not pending any more: erased meanwhile, or queued again (that copy writes).
+                wanted = self._pending.get(block_hash) is block
+                self._writing = block_hash if wanted else None
+            for i in targets if wanted else ():
                 try:
                     self.tiers[i].put(block_hash, block.data, block.meta)
                 except Exception:
@@ -161,6 +190,7 @@ class TieredStore:
                     self.stats.write_errors += 1
             with self._cv:
                 self._in_flight -= 1
+                self._writing = None
                 if self._pending.get(block_hash) is block:
                     del self._pending[block_hash]
                 self._cv.notify_all()

@@ -14,6 +14,7 @@ from starlette.routing import Route
 from splitserve.common.tenants import DEFAULT_TENANT, Tenants
 from splitserve.router import upstream
 from splitserve.router.config import RouterConfig
+from splitserve.router.erasure import erasure_routes
 from splitserve.router.errors import RouterError
 from splitserve.router.front import COMPLETION_PATHS, MODELS_PATH, Endpoint, Front, check_bearer
 from splitserve.router.health import HealthChecker
@@ -92,6 +93,7 @@ def create_app(config: RouterConfig) -> Front:
         app.router.routes.append(Route(path, endpoint, methods=["POST"]))
     app.router.routes.append(Route(MODELS_PATH, endpoint, methods=["GET"]))
     app.include_router(_admin_routes(membership, kv_index), dependencies=[Depends(_admin(config))])
+    app.include_router(erasure_routes(lambda: state["proxy"], membership, tenants))
     return Front(app, endpoint)
 
 

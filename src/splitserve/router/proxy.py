@@ -42,7 +42,7 @@ from splitserve.router.migration import (
 from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.policies.session import SyncedRing
 from splitserve.router.replies import Buffered, Reply, Streamed
-from splitserve.router.session import prefix_key, session_key
+from splitserve.router.session import SESSION_HEADER, prefix_key, session_key
 from splitserve.router.timing import Timeline, now
 from splitserve.router.upstream import Pool, Response, UpstreamError, dropped
 from splitserve.router.vouch import Vouch
@@ -491,6 +491,8 @@ class Proxy:
         )
         if auth:
             headers["authorization"] = _header_value(auth)
+        if session := client_headers.get(SESSION_HEADER):  # workers own KV by session
+            headers[SESSION_HEADER] = _header_value(session)
         return headers
 
     def _headers(

@@ -89,6 +89,11 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int], data: torch
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def zero_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> None:
+    """Overwrite blocks ``block_ids`` of the cache with zeros (erased KV)."""
+    kv_cache.index_fill_(2, _index(block_ids, kv_cache.device), 0)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire name of a cache dtype (``"float32"``, ``"bfloat16"``, ...)."""
     for name, value in _DTYPES.items():

@@ -150,6 +150,11 @@ class LeaseTable:
         with self._lock:
             return len(self._leases)
 
+    def holding(self, hashes: set[BlockHash]) -> list[str]:
+        """The request ids of the live leases that hold a block of ``hashes`` (erasure)."""
+        with self._lock:
+            return [r for r, lease in self._leases.items() if not hashes.isdisjoint(lease.hashes)]
+
     def leased_blocks(self) -> int:
         """Number of blocks held by live leases (for ``/load`` and metrics)."""
         with self._lock:

@@ -26,6 +26,7 @@ from splitserve.common.tenants import Tenants
 from splitserve.worker.async_engine import AsyncEngine, EngineError, EngineLike, QueueFull
 from splitserve.worker.auth import WorkerAuth
 from splitserve.worker.disagg import DisaggConfig
+from splitserve.worker.erasure import erasure_routes, own_stream
 from splitserve.worker.errors import APIError, bad_request, install_handlers
 from splitserve.worker.kv_api import (
     KVSides,
@@ -35,6 +36,7 @@ from splitserve.worker.kv_api import (
     session_of,
     tool_call_pin,
 )
+from splitserve.worker.kv_owners import owners_for
 from splitserve.worker.metrics import WorkerMetrics
 from splitserve.worker.prepare import (
     EngineInput,
@@ -114,6 +116,8 @@ def create_app(
     guard = [Depends(auth)]
     app.include_router(_api_routes(async_engine, metrics, model, kv, auth), dependencies=guard)
     app.include_router(kv_routes(async_engine, model, kv, auth), dependencies=guard)
+    app.state.kv_owners = owners_for(engine)
+    app.include_router(erasure_routes(async_engine, kv, app.state.kv_owners), dependencies=guard)
     return app
 
 
@@ -217,6 +221,7 @@ async def _serve(
         raise bad_request(str(e), param=e.param) from e
     except EngineError as e:
         raise APIError(503, str(e), code="engine_unavailable") from e
+    stream = own_stream(request, req, request_id, inp.prompt_token_ids, stream)
     tracker = metrics.track()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
