@@ -94,9 +94,9 @@ def prefill_leg(url: str, prompt: list[int]) -> dict:
     return params
 
 
-def decode_leg(url: str, prompt: list[int], params: dict) -> str:
+def decode_leg(url: str, prompt: list[int], params: dict, secret: str = SECRET) -> str:
     r = as_router(
-        url, "/v1/completions", body(prompt, kv_transfer_params=params), SECRET, timeout=120
+        url, "/v1/completions", body(prompt, kv_transfer_params=params), secret, timeout=120
     )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
@@ -218,7 +218,9 @@ def test_wrong_cluster_secret_is_refused(cluster, offline):
     url = cluster["d_wrong"]
     prompt = prompts(8, 2)[1][:300]
     reason = 'splitserve:kv_load_fallbacks_total{reason="auth"}'
-    assert two_legs(cluster["p_tcp"], url, prompt) == reference(offline, [prompt])[0]
+    # The router and this decode worker agree; the prefill worker holds another secret.
+    params = prefill_leg(cluster["p_tcp"], prompt)
+    assert decode_leg(url, prompt, params, SECRETS["d_wrong"]) == reference(offline, [prompt])[0]
     assert metric(url, reason) == 1
     assert metric(url, "splitserve:kv_blocks_received_total") == 0
     # The right secret is what lets a peer in: the shared decode worker pulls fine.

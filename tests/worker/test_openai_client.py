@@ -251,10 +251,11 @@ def test_streamed_tool_calls_arrive_as_deltas_without_markup(client, worker):
     assert json.loads(call.function.arguments) == {"city": "Paris"}
 
 
-def test_kv_transfer_params_are_echoed(client, worker):
-    # Neither leg of the disaggregation handshake: the worker carries the params through.
+def test_client_written_kv_transfer_params_are_refused(client, worker):
+    # Only the router may name a transfer (tests/disagg sends them signed, as it does).
     params = {"do_remote_decode": False, "trace": "abc"}
-    r = client.completions.create(
-        model=worker.model, prompt="hi", max_tokens=1, extra_body={"kv_transfer_params": params}
-    )
-    assert r.model_extra["kv_transfer_params"] == params
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=worker.model, prompt="hi", max_tokens=1, extra_body={"kv_transfer_params": params}
+        )
+    assert e.value.body["param"] == "kv_transfer_params"
