@@ -8,9 +8,13 @@ serving HTTPS) starts once for the module; the rest runs against fake workers se
 from __future__ import annotations
 
 import json
+import os
+import signal
 import ssl
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -24,7 +28,7 @@ from splitserve.router.proxy import DECODE_HEADER
 
 from .conftest import HTTP, FakeWorker, wait_until
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # a loaded machine: two model workers start in the first
 
 SECRET = "tls-test-secret"
 
@@ -217,3 +221,51 @@ def test_a_worker_the_router_cannot_verify_is_failed_then_unhealthy(
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_worker"
     assert HTTP.get(router.url + "/health").status_code == 503
     assert len(worker.seen()) == received  # nothing reached it over an unverified connection
+
+
+def test_regression_a_handshake_with_a_busy_worker_waits_as_a_plain_request_does(
+    pki, tls_fakes, make_router
+):
+    # The handshake ran under the 2 s connect timeout: a worker whose event loop was busy
+    # for longer failed the request (502 "timed out"), where the kernel would have accepted
+    # a plain connection and the answer come late.
+    worker = tls_fakes[1]
+    worker.reset()
+    router = make_router(workers=[worker.url], worker_ca=pki.ca, health_interval_s=60)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    answers: list[int] = []
+    os.kill(worker.proc.pid, signal.SIGSTOP)
+    try:
+        sender = threading.Thread(
+            target=lambda: answers.append(
+                HTTP.post(router.url + "/v1/chat/completions", json=chat).status_code
+            )
+        )
+        sender.start()
+        time.sleep(3.0)  # past the connect timeout, with the handshake under way
+    finally:
+        os.kill(worker.proc.pid, signal.SIGCONT)
+    sender.join(30)
+    assert answers == [200]
+
+
+def test_regression_a_tls_router_stops_at_once_with_idle_client_connections(pki, tls_fakes):
+    # Closing an idle TLS connection at shutdown waited up to 30 s for the client's
+    # close_notify, which a client holding it idle in its pool never sends.
+    router, proc = start_router(pki, [tls_fakes[0].url])
+    with tls_client(pki) as http:
+        try:
+            wait_until(lambda: _answers(http, router), 60, "the TLS router")
+            started = time.monotonic()
+            os.killpg(proc.pid, signal.SIGTERM)  # the client's connection is open and idle
+            proc.wait(20)
+            assert time.monotonic() - started < 10
+        finally:
+            stop_group(proc)
+
+
+def _answers(http: httpx.Client, url: str) -> bool:
+    try:
+        return http.get(f"{url}/health").status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -391,26 +391,42 @@ class Pool:
     async def _connect(self, key: Key) -> _Connection:
         scheme, host, port = key
         loop = asyncio.get_running_loop()
-        tls = None
-        if scheme == "https":
-            if self.tls is None:
-                self.tls = client_context()
-            tls = self.tls
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self, key), host, port, ssl=tls),
+                loop.create_connection(lambda: _Connection(self, key), host, port),
                 self.connect_timeout_s,
             )
         except TimeoutError as e:
             raise UpstreamError(f"cannot connect to {scheme}://{host}:{port}: timed out") from e
-        except ssl.SSLCertVerificationError as e:  # an OSError: before it, for a clear message
-            raise UpstreamError(
-                f"cannot connect to {scheme}://{host}:{port}: its certificate failed "
-                f"verification ({e.verify_message})"
-            ) from e
-        except OSError as e:  # ssl.SSLError included (a plain-HTTP port, a failed handshake)
+        except OSError as e:
             raise UpstreamError(f"cannot connect to {scheme}://{host}:{port}: {e}") from e
+        if scheme == "https":
+            await self._handshake(conn, host, f"{scheme}://{host}:{port}")
         return conn
+
+    async def _handshake(self, conn: _Connection, host: str, where: str) -> None:
+        """TLS over ``conn``'s connected socket, the host name verified. It may take as long
+        as an answer may (the read timeout), not the connect timeout: the kernel accepts a
+        plain connection on a busy worker's behalf, but a handshake needs the worker's event
+        loop, and a worker busy for a few seconds should answer late, not fail."""
+        if self.tls is None:
+            self.tls = client_context()
+        raw = conn.transport
+        assert raw is not None
+        try:
+            conn.transport = await conn.loop.start_tls(  # type: ignore[assignment]
+                raw, conn, self.tls, server_hostname=host, ssl_handshake_timeout=self.read_timeout_s
+            )
+        except BaseException as e:
+            raw.close()
+            if isinstance(e, ssl.SSLCertVerificationError):  # an OSError too: first
+                raise UpstreamError(
+                    f"cannot connect to {where}: its certificate failed verification "
+                    f"({e.verify_message})"
+                ) from e
+            if isinstance(e, OSError):  # a plain-HTTP port, a handshake that timed out
+                raise UpstreamError(f"cannot connect to {where}: TLS handshake: {e}") from e
+            raise
 
     def _put(self, conn: _Connection) -> None:
         self._slots.release()
