@@ -136,13 +136,37 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class StopFlag:
+    """A stop request that signal handlers set. ``threading.Event.set`` takes the event's
+    lock, which the main thread holds for a moment inside ``Event.wait``: a signal landing
+    then ran its handler on that thread, which waited for its own lock for ever (``serve``
+    given SIGINT then SIGTERM hung so). Setting a bool takes no lock."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep ``timeout`` unless set (signal handlers run during the sleep); whether set."""
+        if not self._set:
+            time.sleep(timeout)
+        return self._set
+
+
 class LocalDeployment:
     """A set of worker processes started, health-checked and stopped together."""
 
     def __init__(self, workers: list[WorkerProcess]) -> None:
         self.workers = workers
 
-    def start(self, ready_timeout: float, stop: threading.Event) -> bool:
+    def start(self, ready_timeout: float, stop: StopFlag | threading.Event) -> bool:
         """Start every worker and wait until all are healthy; False if one died or timed out."""
         for w in self.workers:
             w.start()
@@ -156,7 +180,7 @@ class LocalDeployment:
                 stop.wait(POLL_S)
         return not pending
 
-    def wait(self, stop: threading.Event) -> int | None:
+    def wait(self, stop: StopFlag | threading.Event) -> int | None:
         """Block until ``stop`` is set (None) or a worker exits (its exit code)."""
         while not stop.wait(POLL_S):
             for w in self.workers:
@@ -291,7 +315,7 @@ def _serve(
     else:
         argv = worker_argv(host, port, model, worker_args)
         stages = [LocalDeployment([WorkerProcess("worker-0", argv, url, env, ca=_ca(tls))])]
-    stop = threading.Event()
+    stop = StopFlag()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for stage in stages:  # workers first, then the router in front of them
