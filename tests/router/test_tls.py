@@ -7,6 +7,7 @@ serving HTTPS) starts once for the module; the rest runs against fake workers se
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -24,6 +25,9 @@ import pytest
 import trustme
 from procs import die_with_parent, free_port, metric, start_worker, stop_group, wait_healthy
 
+from splitserve.bench.client import Endpoint
+from splitserve.bench.load import Load, run_load
+from splitserve.bench.workloads import RandomConfig
 from splitserve.router.proxy import DECODE_HEADER
 
 from .conftest import HTTP, FakeWorker, wait_until
@@ -269,3 +273,19 @@ def _answers(http: httpx.Client, url: str) -> bool:
         return http.get(f"{url}/health").status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@pytest.mark.parametrize("ca", ["given", "none"])
+def test_the_bench_client_verifies_a_tls_endpoint_by_its_ca(pki, tls_fakes, ca):
+    worker = tls_fakes[0]
+    worker.reset()
+    worker.mode(greedy=True)
+    endpoint = Endpoint(worker.url, ca=pki.ca if ca == "given" else None)
+    load = Load(concurrency=2, duration_s=0.5, drain_s=5.0)
+    run = asyncio.run(run_load(endpoint, RandomConfig(32, 4), load, progress=False))
+    ok = [r for r in run.records if r.ok]
+    if ca == "given":
+        assert ok and len(ok) == len(run.records)
+    else:  # the system's roots do not vouch for a test CA: every request fails, none hangs
+        assert run.records and not ok
+        assert {r.error for r in run.records} == {"ConnectError"}
