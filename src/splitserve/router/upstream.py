@@ -23,8 +23,9 @@ the router about 6 ms of CPU a second per worker.
                          ``pause()``/``resume()`` for flow control
     Response.release(): a complete keep-alive answer's connection goes back to the pool
 
-``https://`` workers get the same connections over TLS (``asyncio``'s SSL transport under the
-same protocol), verified against the pool's ``tls`` context: the router's ``--worker-ca``, or
+``https://`` workers get the same connections over TLS (``start_tls`` after the TCP connect:
+asyncio's SSL transport under the same protocol; ``_handshake`` says why its timeout is the
+read timeout), verified against the pool's ``tls`` context: the router's ``--worker-ca``, or
 the system's trust store. Idle connections are kept per scheme, host and port.
 """
 
