@@ -20,6 +20,7 @@ import bisect
 import json
 import math
 import random
+import ssl
 import statistics
 import time
 from collections.abc import Callable
@@ -94,15 +95,21 @@ async def one_stream(
 
 
 async def load_run(
-    url: str, clients: int, plan: Plan, warm_body: bytes, warmed: Callable[[], None] = lambda: None
+    url: str,
+    clients: int,
+    plan: Plan,
+    warm_body: bytes,
+    warmed: Callable[[], None] = lambda: None,
+    tls: ssl.SSLContext | None = None,
 ) -> Run:
     """Run ``plan`` against ``url`` after a warm-up wave; ``warmed`` is called in between
-    (nothing is in flight then: it may read the server's counters)."""
+    (nothing is in flight then: it may read the server's counters). ``tls``: what an
+    https:// ``url`` is verified against (its handshakes happen in the warm-up wave)."""
     # aiohttp, as the router uses: the load generator shares a core with the worker and must
     # cost little per streamed chunk, or it, not the path under test, sets the latencies.
     # Open loop: no connection limit, so a burst of arrivals is not queued in the client.
     limit = clients if plan.starts is not None else 0
-    connector = aiohttp.TCPConnector(limit=limit)
+    connector = aiohttp.TCPConnector(limit=limit, ssl=True if tls is None else tls)
     async with aiohttp.ClientSession(connector=connector, timeout=_NO_DEADLINE) as session:
         origin = time.perf_counter()
         await asyncio.gather(*(one_stream(session, url, warm_body, origin) for _ in range(clients)))
@@ -146,9 +153,12 @@ async def _sleep_until(t: float) -> None:
         await asyncio.sleep(delay)
 
 
-async def mean_duration(url: str, clients: int, body: bytes) -> float:
+async def mean_duration(
+    url: str, clients: int, body: bytes, tls: ssl.SSLContext | None = None
+) -> float:
     """One lockstep wave of ``clients`` requests: their mean duration (the calibration)."""
-    run = await load_run(url, clients, Plan([0.0] * clients, None, [[body]] * clients), body)
+    plan = Plan([0.0] * clients, None, [[body]] * clients)
+    run = await load_run(url, clients, plan, body, tls=tls)
     return statistics.mean(t.total_s for t in run.timings)
 
 
@@ -162,9 +172,9 @@ def bursts(timings: list[Timing], window_s: float = BURST_WINDOW_S) -> list[int]
 # ---- the router's phase histograms -------------------------------------------------------
 
 
-def scrape_phases(url: str) -> dict[str, dict[float, float]]:
+def scrape_phases(url: str, tls: ssl.SSLContext | None = None) -> dict[str, dict[float, float]]:
     """``{phase: {le: cumulative count, ..., "sum": seconds}}`` from the router's /metrics."""
-    text = httpx.get(url + "/metrics", timeout=10.0).text
+    text = httpx.get(url + "/metrics", timeout=10.0, verify=True if tls is None else tls).text
     out: dict[str, dict[float, float]] = {}
     for family in text_string_to_metric_families(text):
         if family.name != PHASE_FAMILY:

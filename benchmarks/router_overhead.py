@@ -23,6 +23,10 @@
    vLLM's Rust router in front of the same worker, in the same rounds, on the router's CPUs;
    it adds a table of each router's added latency and our p99 over the peer's (goal: at
    most 1). ``router_peer`` has the details.
+   ``--tls``: the echo worker and the router serve HTTPS with a private CA made for the run
+   (``splitserve.cluster.tls``, as ``serve --tls``), so the client's and the worker's legs
+   are both TLS, the direct path's too; the clients keep their connections alive, as the
+   router does. Run it once without and once with to compare.
 2. Stickiness (``--ttft``): growing sessions of ``--turns`` turns over ``--real-workers``
    real model workers, through a router with ``--policy session`` and one with
    ``round-robin``. Reports mean TTFT of the last turn over the first (goal for sticky:
@@ -32,7 +36,7 @@
     python benchmarks/router_overhead.py [--clients 64] [--placement pinned|shared]
         [--token-interval-ms 20] [--max-tokens 32] [--arrivals lockstep|staggered|poisson]
         [--baseline-src DIR] [--peer vllm-router[:POLICY]] [--vllm-router-bin PATH]
-        [--ttft [--no-overhead] [--kv-cache-gb G]]
+        [--tls] [--ttft [--no-overhead] [--kv-cache-gb G]]
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import os
 import pstats
 import random
 import signal
+import ssl
 import statistics
 import subprocess
 import sys
@@ -55,8 +60,10 @@ import httpx
 import psutil
 
 from splitserve.cluster.local import free_port
+from splitserve.cluster.tls import DeploymentTLS, private_tls
 from splitserve.cluster.vllm_router import READY_PATH
 from splitserve.common.gc_pauses import quiet_gc
+from splitserve.common.tls import client_context
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by file path
 from router_load import (  # noqa: E402
@@ -151,6 +158,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run the router under cProfile (stats to FILE, top functions printed); "
         "its CPU figures then include the profiler's cost",
     )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="part 1 over HTTPS: the echo worker and the router serve TLS (a private CA)",
+    )
     p.add_argument("--ttft", action="store_true", help="also run part 2 (real model workers)")
     p.add_argument("--no-overhead", action="store_true", help="skip part 1")
     p.add_argument("--real-workers", type=int, default=2)
@@ -166,6 +178,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--clients, --requests, --rounds and --max-tokens must be >= 1")
     if args.token_interval_ms < 0:
         p.error("--token-interval-ms must be >= 0")
+    if args.tls and (args.peer or args.baseline_src or args.worker_url):
+        p.error(
+            "--tls measures this router over the echo worker: not with --peer, "
+            "--baseline-src or --worker-url"
+        )
     if args.peer:
         args.vllm_router_bin = resolve_binary(args.vllm_router_bin)
     return args
@@ -201,8 +218,10 @@ class Proc:
         cpus: set[int] | None = None,
         env: dict | None = None,
         quiet: bool = False,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{'http' if tls is None else 'https'}://127.0.0.1:{port}"
+        self.tls = tls  # what an https:// server is verified against
         self.stop_signal = signal.SIGTERM
         stdout = subprocess.DEVNULL if quiet else None
         self.proc = subprocess.Popen(
@@ -215,7 +234,9 @@ class Proc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.proc.args} exited with {self.proc.returncode}")
             try:
-                if httpx.get(self.url + self.ready_path, timeout=1.0).status_code == 200:
+                verify = True if self.tls is None else self.tls
+                r = httpx.get(self.url + self.ready_path, timeout=1.0, verify=verify)
+                if r.status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -237,15 +258,25 @@ class Proc:
                 self.proc.wait(timeout=5)
 
 
-def echo_worker(cpus: set[int] | None = None, token_interval_s: float = 0.0) -> Proc:
+def echo_worker(
+    cpus: set[int] | None = None, token_interval_s: float = 0.0, tls: DeploymentTLS | None = None
+) -> Proc:
     """The router tests' echo worker in greedy mode: ``max_tokens`` chunks, a finish chunk
-    and ``[DONE]``, like a real worker, each token ``token_interval_s`` after the last."""
+    and ``[DONE]``, like a real worker, each token ``token_interval_s`` after the last;
+    ``tls``: serving HTTPS."""
     port = free_port()
     argv = [sys.executable, str(ECHO_WORKER), "--port", str(port), "--name", "echo"]
-    proc = Proc(argv, port, cpus).wait_ready()
+    if tls is not None:
+        argv += ["--ssl-certfile", tls.cert, "--ssl-keyfile", tls.key]
+    proc = Proc(argv, port, cpus, tls=_verify(tls)).wait_ready()
     mode = {"greedy": True, "delay_s": token_interval_s}
-    httpx.post(proc.url + "/_mode", json=mode, timeout=5.0).raise_for_status()
+    verify = True if proc.tls is None else proc.tls
+    httpx.post(proc.url + "/_mode", json=mode, timeout=5.0, verify=verify).raise_for_status()
     return proc
+
+
+def _verify(tls: DeploymentTLS | None) -> ssl.SSLContext | None:
+    return None if tls is None else client_context(tls.ca)
 
 
 def real_worker(threads: int, kv_cache_gb: float) -> Proc:
@@ -273,9 +304,11 @@ def router(
     cpus: set[int] | None = None,
     src: Path | None = None,
     profile: Path | None = None,
+    tls: DeploymentTLS | None = None,
 ) -> Proc:
     """A router process; ``src``: import splitserve from that directory instead;
-    ``profile``: run it under cProfile, the stats written there when it stops."""
+    ``profile``: run it under cProfile, the stats written there when it stops; ``tls``:
+    serving HTTPS, and verifying https:// workers against its CA."""
     port = free_port()
     env = None if src is None else {**os.environ, "PYTHONPATH": str(src.resolve())}
     profiler = [] if profile is None else ["-m", "cProfile", "-o", str(profile.resolve())]
@@ -292,8 +325,9 @@ def router(
         policy,
         "--log-level",
         "warning",
+        *([] if tls is None else tls.server_args()),
     ]
-    proc = Proc(argv, port, cpus, env)
+    proc = Proc(argv, port, cpus, env, tls=_verify(tls))
     if profile is not None:
         # uvicorn re-raises SIGTERM after its shutdown, which would kill the process before
         # cProfile writes; SIGINT becomes a KeyboardInterrupt, and cProfile writes first.
@@ -336,9 +370,26 @@ def measure_overhead(
         f"placement: router on {router_cpus or 'any'}, clients and worker on {other_cpus or 'any'}"
     )
     interval = args.token_interval_ms / 1e3
-    worker = None if args.worker_url else echo_worker(other_cpus, interval)
+    tls = private_tls() if args.tls else None
+    try:
+        measure_fronts(args, router_cpus, other_cpus, interval, tls)
+    finally:
+        if tls is not None:
+            tls.remove()
+
+
+def measure_fronts(
+    args: argparse.Namespace,
+    router_cpus: set[int] | None,
+    other_cpus: set[int] | None,
+    interval: float,
+    tls: DeploymentTLS | None,
+) -> None:
+    print(f"legs: {'HTTPS (TLS 1.3, a private CA)' if tls else 'plain HTTP'}")
+    worker = None if args.worker_url else echo_worker(other_cpus, interval, tls)
     worker_url = args.worker_url or worker.url
-    fronts = {"router": router([worker_url], cpus=router_cpus, profile=args.profile)}
+    front = router([worker_url], cpus=router_cpus, profile=args.profile, tls=tls)
+    fronts = {"router": front}
     if args.baseline_src is not None:
         fronts["baseline"] = router([worker_url], cpus=router_cpus, src=args.baseline_src)
     for peer in args.peer:
@@ -346,7 +397,7 @@ def measure_overhead(
     for f in fronts.values():
         f.wait_ready()
     try:
-        runs, cpu_s, phases = measure_paths(args, worker_url, fronts)
+        runs, cpu_s, phases = measure_paths(args, worker_url, fronts, _verify(tls))
     finally:
         for f in fronts.values():
             f.stop()
@@ -364,9 +415,14 @@ def measure_overhead(
         pstats.Stats(str(args.profile)).sort_stats("tottime").print_stats(30)
 
 
-def measure_paths(args: argparse.Namespace, worker_url: str, fronts: dict[str, Proc]):
+def measure_paths(
+    args: argparse.Namespace,
+    worker_url: str,
+    fronts: dict[str, Proc],
+    tls: ssl.SSLContext | None = None,
+):
     """Alternate the paths ``--rounds`` times on the identical plan; (runs, router CPU
-    seconds, router phase histograms) by path."""
+    seconds, router phase histograms) by path. ``tls``: the clients verify HTTPS by it."""
     body = {
         "messages": [{"role": "user", "content": "hello"}],
         "stream": True,
@@ -374,7 +430,7 @@ def measure_paths(args: argparse.Namespace, worker_url: str, fronts: dict[str, P
         "temperature": 0,
     }
     warm = json.dumps(body).encode()
-    duration = asyncio.run(mean_duration(worker_url, args.clients, warm))
+    duration = asyncio.run(mean_duration(worker_url, args.clients, warm, tls))
     plan = make_plan(args.arrivals, args.clients, args.requests, body, duration, args.seed)
     print(f"arrivals: {args.arrivals}; one request's mean duration {duration * 1e3:.1f} ms")
     urls = {"direct": worker_url, **{k: f.url for k, f in fronts.items()}}
@@ -388,15 +444,17 @@ def measure_paths(args: argparse.Namespace, worker_url: str, fronts: dict[str, P
 
             def warmed(front: Proc | None = front, url: str = url, before: list = before) -> None:
                 if front is not None:
-                    before[:] = [front.cpu_s(), scrape_phases(url) if front.phases else {}]
+                    histograms = scrape_phases(url, tls) if front.phases else {}
+                    before[:] = [front.cpu_s(), histograms]
 
-            runs[name].append(asyncio.run(load_run(url, args.clients, plan, warm, warmed)))
+            run = load_run(url, args.clients, plan, warm, warmed, tls)
+            runs[name].append(asyncio.run(run))
             if front is not None:
                 (cpu, system), (cpu0, system0) = front.cpu_s(), before[0]
                 total, total_system = cpu_s[name]
                 cpu_s[name] = (total + cpu - cpu0, total_system + system - system0)
                 if front.phases:
-                    after = scrape_phases(url)
+                    after = scrape_phases(url, tls)
                     phases[name] = merge(phases[name], phase_deltas(before[1], after))
     return runs, cpu_s, phases
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -26,26 +27,36 @@ __all__ = [
 
 
 def start_worker(
-    args: list[str], secret: str | None = None, threads: int = 1, env: dict | None = None
+    args: list[str],
+    secret: str | None = None,
+    threads: int = 1,
+    env: dict | None = None,
+    tls: tuple[str, str] | None = None,
 ) -> tuple[str, subprocess.Popen]:
-    """Start ``splitserve worker`` on a free port in its own session; returns (url, proc)."""
+    """Start ``splitserve worker`` on a free port in its own session; returns (url, proc).
+    ``tls``: (certificate file, key file) to serve HTTPS with."""
     port = free_port()
     argv = [sys.executable, "-m", "splitserve.cli", "worker", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--threads", str(threads), "--log-level", "warning", *args]
+    if tls is not None:
+        argv += ["--ssl-certfile", tls[0], "--ssl-keyfile", tls[1]]
     full_env = {**os.environ, **(env or {})}
     if secret is not None:
         full_env["SPLITSERVE_KV_SECRET"] = secret
     proc = subprocess.Popen(argv, env=full_env, start_new_session=True, preexec_fn=die_with_parent)
-    return f"http://127.0.0.1:{port}", proc
+    return f"{'http' if tls is None else 'https'}://127.0.0.1:{port}", proc
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> None:
+def wait_healthy(
+    url: str, proc: subprocess.Popen, timeout: float = 240.0, verify: ssl.SSLContext | bool = True
+) -> None:
+    """Until ``url/health`` answers 200 (``verify``: what an https:// server is verified by)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{url}: the process exited with code {proc.returncode}")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=1, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -67,9 +78,11 @@ def stop_group(proc: subprocess.Popen, timeout: float = 20.0) -> None:
             continue
 
 
-def metric(url: str, name: str, headers: dict | None = None) -> float:
+def metric(
+    url: str, name: str, headers: dict | None = None, verify: ssl.SSLContext | bool = True
+) -> float:
     """A sample from ``/metrics``: ``name`` alone sums every label set, ``name{k="v"}`` is exact."""
-    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10, verify=verify).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith("#") or not line:

@@ -20,6 +20,7 @@ from splitserve.common.kv_events import add_kv_events_args
 from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S as DEFAULT_PEER_TIMEOUT_S
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tenant_args import add_api_keys_arg, tenants_from_args
+from splitserve.common.tls import add_server_tls_args, add_worker_ca_arg, server_files
 from splitserve.engine.scheduler import SCHEDULING_POLICIES
 from splitserve.router.cli import add_router_parser
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
@@ -130,6 +131,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         disagg=disagg,
         step_log_dir=args.step_log_dir,
         kv_events_endpoint=args.kv_events_endpoint,
+        tls=server_files(args.ssl_certfile, args.ssl_keyfile),
     )
     return 0
 
@@ -214,6 +216,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_keys_file=_checked_keys_file(args),
         ready_timeout=args.ready_timeout,
         topology=topology,
+        tls=args.tls,
     )
 
 
@@ -267,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     _add_server_args(worker)
+    add_server_tls_args(worker)
+    add_worker_ca_arg(worker, "peer KV fetch (--kv-peer) verifies")
     _add_engine_args(worker)
     add_kv_transfer_args(worker)
     add_kv_tier_args(worker)
@@ -329,6 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=600.0,
         help="seconds to wait for the workers to load their model",
+    )
+    serve.add_argument(
+        "--tls",
+        action="store_true",
+        help="HTTPS on every HTTP leg, with a private CA made for this run (its path is "
+        "printed for clients to trust)",
     )
     _add_server_args(serve)
     _add_engine_args(serve)

@@ -110,6 +110,7 @@ def disagg_config(args: argparse.Namespace):
         fault=args.kv_test_fault,
         peer=args.kv_peer,
         peer_timeout_s=args.kv_peer_timeout,
+        peer_ca=args.worker_ca,
     )
 
 

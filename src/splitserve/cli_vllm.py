@@ -32,6 +32,9 @@ _BUILTIN_ONLY = (
     ("kv_secret_file", "--kv-secret-file", None),
     ("kv_lease_ttl", "--kv-lease-ttl", 30.0),
     ("kv_test_fault", "--kv-test-fault", None),
+    ("ssl_certfile", "--ssl-certfile", None),
+    ("ssl_keyfile", "--ssl-keyfile", None),
+    ("worker_ca", "--worker-ca", None),
 )
 
 

@@ -15,6 +15,7 @@ from procs import free_port, stop_group
 
 from splitserve.cluster.local import (
     LocalDeployment,
+    StopFlag,
     WorkerProcess,
     die_with_parent,
     own_disk_dir,
@@ -150,3 +151,19 @@ def test_each_pool_worker_gets_its_own_disk_tier_directory():
         "--host-kv-gb", "1", "--disk-kv-dir", "/data/kv/decode-1", "--threads", "1"
     ]  # fmt: skip
     assert own_disk_dir(["--threads", "1"], "decode-0") == ["--threads", "1"]
+
+
+def test_regression_a_signal_inside_the_stop_wait_cannot_deadlock_serve():
+    # ``serve`` hung on SIGINT then SIGTERM: its handler called threading.Event.set, whose
+    # lock the interrupted main thread held inside Event.wait. Signals every 100 us land in
+    # every part of the wait; with threading.Event this loop deadlocks (or overflows).
+    stop = StopFlag()
+    previous = signal.signal(signal.SIGALRM, lambda *_: stop.set())
+    signal.setitimer(signal.ITIMER_REAL, 0.0001, 0.0001)
+    try:
+        for _ in range(100_000):
+            stop.wait(0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert stop.is_set()

@@ -40,12 +40,23 @@ def wait_until(check, timeout_s: float = READY_TIMEOUT_S, what: str = "condition
 
 
 class FakeWorker:
-    """A fake worker subprocess; ``mode(...)`` steers it, ``seen()`` lists its requests."""
+    """A fake worker subprocess; ``mode(...)`` steers it, ``seen()`` lists its requests.
 
-    def __init__(self, name: str, role: str = "both") -> None:
+    ``tls``: (certificate file, key file) to serve HTTPS with, and ``client`` a client that
+    trusts them."""
+
+    def __init__(
+        self,
+        name: str,
+        role: str = "both",
+        tls: tuple[str, str] | None = None,
+        client: httpx.Client = HTTP,
+    ) -> None:
         self.name, self.role = name, role
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'http' if tls is None else 'https'}://127.0.0.1:{self.port}"
+        self.client = client
+        tls_args = [] if tls is None else ["--ssl-certfile", tls[0], "--ssl-keyfile", tls[1]]
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -56,6 +67,7 @@ class FakeWorker:
                 name,
                 "--role",
                 role,
+                *tls_args,
             ],
             start_new_session=True,
             preexec_fn=die_with_parent,
@@ -66,7 +78,7 @@ class FakeWorker:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"fake worker {self.name} exited with {self.proc.returncode}")
             try:
-                return HTTP.get(f"{self.url}/health", timeout=1.0).status_code == 200
+                return self.client.get(f"{self.url}/health", timeout=1.0).status_code == 200
             except httpx.HTTPError:
                 return False
 
@@ -74,7 +86,7 @@ class FakeWorker:
         return self
 
     def mode(self, **state) -> None:
-        HTTP.post(f"{self.url}/_mode", json=state, timeout=5.0).raise_for_status()
+        self.client.post(f"{self.url}/_mode", json=state, timeout=5.0).raise_for_status()
 
     def reset(self) -> None:
         self.mode(
@@ -88,7 +100,7 @@ class FakeWorker:
         )
 
     def seen(self) -> list[dict]:
-        return HTTP.get(f"{self.url}/_requests", timeout=5.0).json()
+        return self.client.get(f"{self.url}/_requests", timeout=5.0).json()
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from splitserve.common.gc_pauses import quiet_gc
+from splitserve.common.tls import add_server_tls_args, server_files, uvicorn_tls
 
 CHUNKS = 4
 
@@ -186,8 +187,14 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--role", default="both")
+    add_server_tls_args(parser)  # HTTPS, as ``splitserve worker --ssl-certfile`` serves it
     args = parser.parse_args()
+    tls = server_files(args.ssl_certfile, args.ssl_keyfile)
     quiet_gc()  # as a real worker does: no collector pauses in the benchmark's tails
     uvicorn.run(
-        create_app(args.name, args.role), host="127.0.0.1", port=args.port, log_level="warning"
+        create_app(args.name, args.role),
+        host="127.0.0.1",
+        port=args.port,
+        log_level="warning",
+        **uvicorn_tls(tls),
     )

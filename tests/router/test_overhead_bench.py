@@ -42,6 +42,7 @@ def test_defaults_pace_the_echo_worker_like_a_model():
         ["--clients", "0"],
         ["--placement", "spread"],
         ["--arrivals", "bursty"],
+        ["--tls", "--worker-url", "http://127.0.0.1:1"],  # TLS measures the echo worker only
     ],
 )
 def test_bad_options_are_rejected(argv):

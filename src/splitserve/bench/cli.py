@@ -21,6 +21,7 @@ from splitserve.bench.workloads import (
     RandomConfig,
     Workload,
 )
+from splitserve.common.tls import client_context
 
 WORKLOADS = ("agentic", "multi-round-qa", "mooncake", "azure", "random")
 # argparse dest -> config field, per workload; only options given on the command line are
@@ -55,6 +56,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--url", default=None, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    p.add_argument(
+        "--ca",
+        default=None,
+        metavar="FILE",
+        help="CA certificate (PEM) an https:// --url is verified against (default: "
+        "$SSL_CERT_FILE, else certifi's roots)",
+    )
     p.add_argument(
         "--metrics-url", nargs="+", default=[], help="more servers whose /metrics to read"
     )
@@ -155,7 +163,9 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError("give --url (or use `splitserve bench compare`)")
     workload, loads = workload_from_args(args), loads_from_args(args)
     slo = SLO.parse(args.slo, args.session_slo)
-    endpoint = Endpoint(args.url.rstrip("/"), args.api_key, args.model)
+    if args.ca is not None:
+        client_context(args.ca)  # a missing or bad file: one line now, not a failed run
+    endpoint = Endpoint(args.url.rstrip("/"), args.api_key, args.model, ca=args.ca)
     print(workload.describe(), flush=True)
     results = sweep(endpoint, workload, loads, slo, not args.no_progress, args.metrics_url)
     for load, run in zip(loads, results, strict=True):

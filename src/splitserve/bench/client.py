@@ -4,7 +4,9 @@ One ``httpx.AsyncClient`` (one connection pool) serves every request. Each turn 
 ``ignore_eos`` (so reply lengths are the workload's), ``return_token_ids`` (so tokens are
 counted exactly, even those that decode to no text) and ``include_usage`` (the server's
 prompt and cached token counts). A failed request is recorded and ends its session (an agent
-cannot go on without the reply); it never stops the run.
+cannot go on without the reply); it never stops the run. An ``https://`` server is verified
+against the endpoint's ``ca`` file when it names one, else as httpx does (``SSL_CERT_FILE``,
+then certifi's roots).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import httpx
 from splitserve.bench.metrics import RequestRecord
 from splitserve.bench.vocab import text_of
 from splitserve.bench.workloads import API_CHAT, SessionSpec
+from splitserve.common.tls import client_context
 
 SESSION_HEADER = "X-Session-Id"
 
@@ -35,15 +38,20 @@ class Endpoint:
     # ``logit_bias`` keeps the end-of-sequence tokens out.
     strict_openai: bool = False
     logit_bias: dict[str, float] | None = None
+    ca: str | None = None  # the CA an https:// server is verified against (bench --ca)
 
     @property
     def headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-def new_client(max_connections: int = 512, timeout_s: float = 600.0) -> httpx.AsyncClient:
+def new_client(
+    max_connections: int = 512, timeout_s: float = 600.0, ca: str | None = None
+) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=256)
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits)
+    verify = True if ca is None else client_context(ca)
+    timeout = httpx.Timeout(timeout_s, connect=10.0)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, verify=verify)
 
 
 @dataclass(slots=True)

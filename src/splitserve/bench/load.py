@@ -67,7 +67,7 @@ async def run_load(
 ) -> RunResult:
     """Play ``workload`` at ``load`` against ``endpoint``: the records, and their summary
     with the servers' counters (after - before) and the run's description in ``info``."""
-    async with new_client() as client:
+    async with new_client(ca=endpoint.ca) as client:
         targets = await discover(client, endpoint, tuple(metrics_urls))
         await warm_up(client, endpoint, max(2, len(targets.workers)))
         before = await scrape(client, targets, endpoint.headers)

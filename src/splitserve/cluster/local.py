@@ -3,6 +3,10 @@
 Each worker runs in its own session (so its own process group): a terminal's Ctrl-C reaches
 only the launcher, which then stops each group as a whole, so nothing a worker started can
 outlive it. On Linux a worker also gets SIGTERM if the launcher dies without cleaning up.
+
+With ``tls`` every HTTP leg is HTTPS: the launcher makes a private CA and one server
+certificate (``cluster.tls``), every worker and the router serve with it and verify each
+other against the CA, and the launcher's own readiness polls trust only that CA.
 """
 
 from __future__ import annotations
@@ -11,16 +15,23 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import httpx
 
 from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S
+from splitserve.common.tls import client_context
+
+if TYPE_CHECKING:
+    from splitserve.cluster.tls import DeploymentTLS
 
 POLL_S = 0.2
 
@@ -35,6 +46,7 @@ class WorkerProcess:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     health_path: str = "/health"  # a peer server without /health names another route
+    ca: str | None = None  # an https:// url: the CA its certificate is verified against
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -48,7 +60,7 @@ class WorkerProcess:
         return None if self.proc is None else self.proc.poll()
 
     def healthy(self) -> bool:
-        return healthy(self.url, self.health_path)
+        return healthy(self.url, self.health_path, self.ca)
 
     def signal_group(self, sig: int) -> None:
         if self.proc is None:
@@ -59,12 +71,19 @@ class WorkerProcess:
             pass
 
 
-def healthy(url: str, path: str = "/health") -> bool:
-    """Whether the server at ``url`` answers ``path`` with 200."""
+def healthy(url: str, path: str = "/health", ca: str | None = None) -> bool:
+    """Whether the server at ``url`` answers ``path`` with 200; ``ca``: what an https://
+    server's certificate is verified against (default: httpx's usual trust)."""
+    verify: ssl.SSLContext | bool = True if ca is None else _ca_context(ca)
     try:
-        return httpx.get(f"{url}{path}", timeout=2.0).status_code == 200
+        return httpx.get(f"{url}{path}", timeout=2.0, verify=verify).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@lru_cache(maxsize=4)
+def _ca_context(ca: str) -> ssl.SSLContext:
+    return client_context(ca)  # once per CA file, not once per readiness poll
 
 
 def _sigterm_when_parent_ends() -> None:
@@ -117,13 +136,37 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class StopFlag:
+    """A stop request that signal handlers set. ``threading.Event.set`` takes the event's
+    lock, which the main thread holds for a moment inside ``Event.wait``: a signal landing
+    then ran its handler on that thread, which waited for its own lock for ever (``serve``
+    given SIGINT then SIGTERM hung so). Setting a bool takes no lock."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep ``timeout`` unless set (signal handlers run during the sleep); whether set."""
+        if not self._set:
+            time.sleep(timeout)
+        return self._set
+
+
 class LocalDeployment:
     """A set of worker processes started, health-checked and stopped together."""
 
     def __init__(self, workers: list[WorkerProcess]) -> None:
         self.workers = workers
 
-    def start(self, ready_timeout: float, stop: threading.Event) -> bool:
+    def start(self, ready_timeout: float, stop: StopFlag | threading.Event) -> bool:
         """Start every worker and wait until all are healthy; False if one died or timed out."""
         for w in self.workers:
             w.start()
@@ -137,7 +180,7 @@ class LocalDeployment:
                 stop.wait(POLL_S)
         return not pending
 
-    def wait(self, stop: threading.Event) -> int | None:
+    def wait(self, stop: StopFlag | threading.Event) -> int | None:
         """Block until ``stop`` is set (None) or a worker exits (its exit code)."""
         while not stop.wait(POLL_S):
             for w in self.workers:
@@ -235,20 +278,47 @@ def serve(
     api_key: str | None = None,
     ready_timeout: float = 600.0,
     topology: Topology | None = None,
+    tls: bool = False,
     api_keys_file: str | None = None,
 ) -> int:
-    """Run the deployment until SIGINT/SIGTERM; return the process exit code."""
+    """Run the deployment until SIGINT/SIGTERM; return the process exit code. ``tls``: every
+    HTTP leg over HTTPS with a private CA made for this run (its files removed at the end)."""
     topology = topology or Topology()
     env = {"SPLITSERVE_API_KEY": api_key} if api_key else {}
     if api_keys_file:
         env["SPLITSERVE_API_KEYS"] = os.path.abspath(api_keys_file)
-    url = f"http://{host}:{port}"
+    if not tls:
+        return _serve(host, port, model, worker_args, env, ready_timeout, topology, None)
+    if topology.engine != "builtin":
+        raise ValueError("--tls serves the builtin engine's workers only (not --engine vllm)")
+    from splitserve.cluster.tls import private_tls
+
+    files = private_tls([host])
+    try:
+        return _serve(host, port, model, worker_args, env, ready_timeout, topology, files)
+    finally:
+        files.remove()
+
+
+def _serve(
+    host: str,
+    port: int,
+    model: str | None,
+    worker_args: Sequence[str],
+    env: dict[str, str],
+    ready_timeout: float,
+    topology: Topology,
+    tls: DeploymentTLS | None,
+) -> int:
+    url = f"{_scheme(tls)}://{host}:{port}"
+    if tls is not None:
+        worker_args = [*worker_args, *tls.server_args()]
     if topology.disaggregated:
-        stages = _pools(host, port, model, worker_args, env, topology)
+        stages = _pools(host, port, model, worker_args, env, topology, tls)
     else:
         argv = worker_argv(host, port, model, worker_args)
-        stages = [LocalDeployment([WorkerProcess("worker-0", argv, url, env)])]
-    stop = threading.Event()
+        stages = [LocalDeployment([WorkerProcess("worker-0", argv, url, env, ca=_ca(tls))])]
+    stop = StopFlag()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for stage in stages:  # workers first, then the router in front of them
@@ -259,6 +329,12 @@ def serve(
                 print(f"splitserve: {names} did not become healthy", file=sys.stderr)
                 return 1
         print(f"splitserve: serving the OpenAI API at {url}/v1 (Ctrl-C to stop)", flush=True)
+        if tls is not None:
+            print(
+                f"splitserve: TLS with a private CA for this run; clients trust {tls.ca}, "
+                f"e.g. SSL_CERT_FILE={tls.ca} (removed when serving stops)",
+                flush=True,
+            )
         for code in (stage.wait(stop) for stage in stages[-1:]):
             if code is not None:
                 print(f"splitserve: a process exited with code {code}", file=sys.stderr)
@@ -289,20 +365,24 @@ def _pools(
     worker_args: Sequence[str],
     env: dict[str, str],
     topology: Topology,
+    tls: DeploymentTLS | None = None,
 ) -> list[LocalDeployment]:
     """Prefill and decode workers on free ports sharing a fresh cluster secret, and the
-    router on ``port``."""
+    router on ``port``; ``tls``: everyone serves HTTPS (``worker_args`` carry the flags)."""
     env = {**env, "SPLITSERVE_KV_SECRET": secrets.token_hex(32)}
-    workers = pool_workers(host, model, worker_args, env, topology)
+    workers = pool_workers(host, model, worker_args, env, topology, tls)
     urls = {
         role: [w.url for w in workers if w.name.startswith(role)] for role in ("prefill", "decode")
     }
     router_args = [*topology.router_args, *_kv_events_router_args(workers, topology)]
+    if tls is not None:
+        router_args += tls.server_args()
     router_env = dict(env)
     if "SPLITSERVE_API_KEY" in env:
         router_env["SPLITSERVE_WORKER_API_KEY"] = env["SPLITSERVE_API_KEY"]
     argv = router_argv(host, port, urls["prefill"], urls["decode"], router_args)
-    router = WorkerProcess("router", argv, f"http://{host}:{port}", router_env)
+    url = f"{_scheme(tls)}://{host}:{port}"
+    router = WorkerProcess("router", argv, url, router_env, ca=_ca(tls))
     return [LocalDeployment(workers), LocalDeployment([router])]
 
 
@@ -312,8 +392,10 @@ def pool_workers(
     worker_args: Sequence[str],
     env: dict[str, str],
     topology: Topology,
+    tls: DeploymentTLS | None = None,
 ) -> list[WorkerProcess]:
-    """The prefill then decode workers of ``topology``, each on a free port of ``host``."""
+    """The prefill then decode workers of ``topology``, each on a free port of ``host``
+    (``https://`` URLs with ``tls``: ``worker_args`` carry its flags)."""
     workers: list[WorkerProcess] = []
     for role, count in (("prefill", topology.prefill), ("decode", topology.decode)):
         for i in range(count):
@@ -325,5 +407,14 @@ def pool_workers(
             if topology.engine == "vllm" and topology.prefill:  # NixlConnector's side channel
                 args += ["--kv-port", str(free_port(host))]
             argv = worker_argv(host, wport, model, args, role=topology.worker_role(role))
-            workers.append(WorkerProcess(f"{role}-{i}", argv, f"http://{host}:{wport}", env))
+            url = f"{_scheme(tls)}://{host}:{wport}"
+            workers.append(WorkerProcess(f"{role}-{i}", argv, url, env, ca=_ca(tls)))
     return workers
+
+
+def _scheme(tls: DeploymentTLS | None) -> str:
+    return "http" if tls is None else "https"
+
+
+def _ca(tls: DeploymentTLS | None) -> str | None:
+    return None if tls is None else tls.ca

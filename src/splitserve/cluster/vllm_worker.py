@@ -26,12 +26,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitserve.cluster.affinity import rebind_strays
-from splitserve.cluster.local import POLL_S, die_with_parent, healthy
+from splitserve.cluster.local import POLL_S, StopFlag, die_with_parent, healthy
 
 VENV_ENV = "SPLITSERVE_VLLM_VENV"  # a virtualenv with vLLM, instead of the repo's .venv-vllm
 _INSTALL_HINT = "run `make install-vllm`, or pass --vllm-python PATH"
@@ -204,7 +203,7 @@ class VllmProcess:
             self.argv, env=self.env, start_new_session=True, preexec_fn=die_with_parent
         )
 
-    def wait_ready(self, url: str, stop: threading.Event) -> bool:
+    def wait_ready(self, url: str, stop: StopFlag) -> bool:
         """Until vLLM answers ``url/health``: True, or False once it exited or ``stop`` is set."""
         assert self.proc is not None
         while self.proc.poll() is None and not stop.is_set():
@@ -213,7 +212,7 @@ class VllmProcess:
             stop.wait(POLL_S)
         return False
 
-    def wait(self, stop: threading.Event) -> int | None:
+    def wait(self, stop: StopFlag) -> int | None:
         """vLLM's exit code, or None once ``stop`` is set first."""
         assert self.proc is not None
         while not stop.wait(0.2):
@@ -246,7 +245,7 @@ def run_vllm_worker(spec: VllmWorkerSpec, python: str | None = None) -> int:
     python = find_vllm_python(python)
     check_has_vllm(python)
     proc = VllmProcess(vllm_argv(python, spec), vllm_env(spec))
-    stop = threading.Event()
+    stop = StopFlag()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         proc.start()
@@ -263,7 +262,7 @@ def run_vllm_worker(spec: VllmWorkerSpec, python: str | None = None) -> int:
             signal.signal(s, handler)
 
 
-def _restore_binding(proc: VllmProcess, spec: VllmWorkerSpec, stop: threading.Event) -> None:
+def _restore_binding(proc: VllmProcess, spec: VllmWorkerSpec, stop: StopFlag) -> None:
     """Once vLLM is ready, bind the threads NIXL pinned elsewhere back to ``spec.cpus``."""
     assert proc.proc is not None and spec.cpus is not None
     inherited = os.sched_getaffinity(0)  # what vLLM's processes start with, left as it is

@@ -11,6 +11,7 @@ import os
 import sys
 
 from splitserve.common.tenant_args import add_api_keys_arg, read_secret
+from splitserve.common.tls import add_server_tls_args, add_worker_ca_arg, server_files, uvicorn_tls
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD, RouterConfig
 from splitserve.router.policies import POLICIES
 from splitserve.router.ring import DEFAULT_LOAD_FLOOR
@@ -119,6 +120,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="model directory (tokenizer.json, chat template) the router tokenizes prompts "
         "with, as the workers do, for --policy kv-events",
     )
+    add_server_tls_args(p)
+    add_worker_ca_arg(p, "the router verifies")
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -162,6 +165,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         kv_events=_kv_events(args.kv_events),
         kv_events_topic=args.kv_events_topic,
         tokenizer=args.tokenizer,
+        worker_ca=args.worker_ca,
     )
 
 
@@ -173,10 +177,8 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.router.app import create_app
     from splitserve.router.server import RouterProtocol
 
-    try:
-        app = create_app(config_from_args(args))
-    except ValueError as e:
-        raise SystemExit(f"splitserve router: error: {e}") from None
+    tls = server_files(args.ssl_certfile, args.ssl_keyfile)
+    app = create_app(config_from_args(args))
     quiet_gc()
     uvicorn.run(
         app,
@@ -186,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         access_log=False,
         http=RouterProtocol,  # arrival times (the "queued" phase), direct body writes
         proxy_headers=False,  # the router never uses the client's address
+        **uvicorn_tls(tls),
     )
     return 0
 
@@ -193,7 +196,11 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="splitserve router", description=__doc__)
     add_router_args(parser)
-    return run(parser.parse_args(argv))
+    try:
+        return run(parser.parse_args(argv))
+    except ValueError as e:  # bad input: one line, as ``splitserve router`` prints it
+        print(f"splitserve router: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

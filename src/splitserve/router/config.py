@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.common.tls import client_context
 from splitserve.router.policies import POLICIES
 from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR, DEFAULT_VNODES
 from splitserve.router.worker import Worker, normalize_url
@@ -27,6 +28,8 @@ class RouterConfig:
     membership endpoints, and ``worker_api_key`` is what the router sends to the workers
     (default: the client's own ``Authorization`` header is forwarded). With the
     ``cluster_secret`` the router signs every request to a worker with its tenant.
+    ``worker_ca``: the CA certificate file ``https://`` workers are verified against (default:
+    the system's trust store).
     """
 
     decode: list[str] = field(default_factory=list)
@@ -70,6 +73,7 @@ class RouterConfig:
     kv_events: dict[str, str] = field(default_factory=dict)
     kv_events_topic: str = ""
     tokenizer: str | None = None
+    worker_ca: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("policy", "prefill_policy"):
@@ -95,6 +99,8 @@ class RouterConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.worker_ca is not None:
+            client_context(self.worker_ca)  # a missing or bad file fails here, not per request
         if self.admin_key is None:
             self.admin_key = self.api_key
         self.kv_events = {normalize_url(u): e for u, e in self.kv_events.items()}

@@ -22,17 +22,27 @@ the router about 6 ms of CPU a second per worker.
                          (the pieces that came with the body's end) or ``sink.failed(error)``;
                          ``pause()``/``resume()`` for flow control
     Response.release(): a complete keep-alive answer's connection goes back to the pool
+
+``https://`` workers get the same connections over TLS (``start_tls`` after the TCP connect:
+asyncio's SSL transport under the same protocol; ``_handshake`` says why its timeout is the
+read timeout), verified against the pool's ``tls`` context: the router's ``--worker-ca``, or
+the system's trust store. Idle connections are kept per scheme, host and port.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import Protocol
 from urllib.parse import urlsplit
 
 import httptools
 
+from splitserve.common.tls import client_context
 from splitserve.router.config import RouterConfig
+
+# (scheme, host, port): what a pooled connection is to, and the key of its idle list.
+Key = tuple[str, str, int]
 
 
 class UpstreamError(Exception):
@@ -144,7 +154,7 @@ class Response:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to a worker; at most one request at a time."""
 
-    def __init__(self, pool: Pool, key: tuple[str, int]) -> None:
+    def __init__(self, pool: Pool, key: Key) -> None:
         self.pool = pool
         self.key = key
         self.loop = asyncio.get_running_loop()
@@ -289,7 +299,8 @@ class Pool:
 
     Idle connections are reused newest first and retired after ``keepalive_s`` idle, below
     the workers' own keep-alive timeout, so the router rarely sends a request down a
-    connection the worker is closing. Create it inside the running loop.
+    connection the worker is closing. ``tls`` verifies ``https://`` workers (default: the
+    system's trust store). Create it inside the running loop.
     """
 
     def __init__(
@@ -298,14 +309,16 @@ class Pool:
         keepalive_s: float = 2.0,
         connect_timeout_s: float = 2.0,
         read_timeout_s: float = 600.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.max_connections = max_connections
         self.keepalive_s = keepalive_s
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self._slots = asyncio.Semaphore(max_connections)
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
-        self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
+        self.tls = tls
+        self._idle: dict[Key, list[_Connection]] = {}
+        self._targets: dict[str, tuple[Key, bytes]] = {}
         self._closed = False
 
     async def request(
@@ -317,7 +330,7 @@ class Pool:
         body: bytes | None = None,
         timeout_s: float | None = None,
     ) -> Response:
-        """Send ``method path`` to the worker at ``url`` (``http://host:port``); returns once
+        """Send ``method path`` to the worker at ``url`` (``http(s)://host:port``); returns once
         the answer's headers arrived. ``timeout_s``: a deadline for the headers."""
         key, host = self._target(url)
         head = _head(method, path, host, headers, body)
@@ -356,17 +369,17 @@ class Pool:
                 conn.close()
         self._idle.clear()
 
-    def _target(self, url: str) -> tuple[tuple[str, int], bytes]:
+    def _target(self, url: str) -> tuple[Key, bytes]:
         target = self._targets.get(url)
         if target is None:
             parsed = urlsplit(url)
-            if parsed.scheme != "http" or not parsed.hostname:
-                raise UpstreamError(f"cannot reach {url!r}: only http://host:port workers")
-            host, port = parsed.hostname, parsed.port or 80
-            target = self._targets[url] = ((host, port), f"{host}:{port}".encode())
+            if parsed.scheme not in _DEFAULT_PORTS or not parsed.hostname:
+                raise UpstreamError(f"cannot reach {url!r}: only http(s)://host:port workers")
+            host, port = parsed.hostname, parsed.port or _DEFAULT_PORTS[parsed.scheme]
+            target = self._targets[url] = ((parsed.scheme, host, port), f"{host}:{port}".encode())
         return target
 
-    def _reuse(self, key: tuple[str, int]) -> _Connection | None:
+    def _reuse(self, key: Key) -> _Connection | None:
         idle = self._idle.get(key)
         now = asyncio.get_running_loop().time()
         while idle:
@@ -376,18 +389,45 @@ class Pool:
             conn.close()
         return None
 
-    async def _connect(self, key: tuple[str, int]) -> _Connection:
+    async def _connect(self, key: Key) -> _Connection:
+        scheme, host, port = key
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self, key), *key),
+                loop.create_connection(lambda: _Connection(self, key), host, port),
                 self.connect_timeout_s,
             )
         except TimeoutError as e:
-            raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: timed out") from e
+            raise UpstreamError(f"cannot connect to {scheme}://{host}:{port}: timed out") from e
         except OSError as e:
-            raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {e}") from e
+            raise UpstreamError(f"cannot connect to {scheme}://{host}:{port}: {e}") from e
+        if scheme == "https":
+            await self._handshake(conn, host, f"{scheme}://{host}:{port}")
         return conn
+
+    async def _handshake(self, conn: _Connection, host: str, where: str) -> None:
+        """TLS over ``conn``'s connected socket, the host name verified. It may take as long
+        as an answer may (the read timeout), not the connect timeout: the kernel accepts a
+        plain connection on a busy worker's behalf, but a handshake needs the worker's event
+        loop, and a worker busy for a few seconds should answer late, not fail."""
+        if self.tls is None:
+            self.tls = client_context()
+        raw = conn.transport
+        assert raw is not None
+        try:
+            conn.transport = await conn.loop.start_tls(  # type: ignore[assignment]
+                raw, conn, self.tls, server_hostname=host, ssl_handshake_timeout=self.read_timeout_s
+            )
+        except BaseException as e:
+            raw.close()
+            if isinstance(e, ssl.SSLCertVerificationError):  # an OSError too: first
+                raise UpstreamError(
+                    f"cannot connect to {where}: its certificate failed verification "
+                    f"({e.verify_message})"
+                ) from e
+            if isinstance(e, OSError):  # a plain-HTTP port, a handshake that timed out
+                raise UpstreamError(f"cannot connect to {where}: TLS handshake: {e}") from e
+            raise
 
     def _put(self, conn: _Connection) -> None:
         self._slots.release()
@@ -404,6 +444,9 @@ class Pool:
         idle = self._idle.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def _head(
@@ -425,9 +468,22 @@ def pool(config: RouterConfig) -> Pool:
         config.keepalive_expiry_s,
         config.connect_timeout_s,
         config.read_timeout_s,
+        worker_tls(config),
     )
 
 
 def probe_pool(config: RouterConfig) -> Pool:
     """The health checker's pool: a handful of connections, apart from the forwarded ones."""
-    return Pool(32, config.keepalive_expiry_s, config.connect_timeout_s, config.health_timeout_s)
+    return Pool(
+        32,
+        config.keepalive_expiry_s,
+        config.connect_timeout_s,
+        config.health_timeout_s,
+        worker_tls(config),
+    )
+
+
+def worker_tls(config: RouterConfig) -> ssl.SSLContext | None:
+    """What ``https://`` workers are verified against: the configured CA, else (None) the
+    system's trust store, loaded when a first such worker is reached."""
+    return None if config.worker_ca is None else client_context(config.worker_ca)

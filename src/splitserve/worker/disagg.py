@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S, WORKER_ROLES
+from splitserve.common.tls import client_context
 from splitserve.engine.outputs import KeptBlocks
 from splitserve.transfer import (
     FaultInjection,
@@ -64,6 +65,7 @@ class DisaggConfig:
     # session's KV from its home worker when a request names one (``kv_peer``).
     peer: bool = False
     peer_timeout_s: float = DEFAULT_KV_PEER_TIMEOUT_S
+    peer_ca: str | None = None  # the CA https:// peers are verified against (--worker-ca)
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -78,6 +80,8 @@ class DisaggConfig:
                 "(--kv-secret-file or SPLITSERVE_KV_SECRET)"
             )
         self._check_peer()
+        if self.peer_ca is not None:
+            client_context(self.peer_ca)  # a missing or bad file fails at start-up
 
     def _check_peer(self) -> None:
         if not self.peer:

@@ -8,6 +8,7 @@ import os
 import uvicorn
 
 from splitserve.common.tenants import Tenants
+from splitserve.common.tls import ServerFiles, uvicorn_tls
 from splitserve.config import EngineConfig
 from splitserve.worker.disagg import DisaggConfig
 
@@ -28,12 +29,14 @@ def run_worker(
     disagg: DisaggConfig | None = None,
     step_log_dir: str | None = None,
     kv_events_endpoint: str | None = None,
+    tls: ServerFiles | None = None,
 ) -> None:
     """Load the model (the port opens only once it is ready), then serve until stopped.
 
     ``disagg`` carries the worker's role and KV-transfer settings (default: collocated);
     ``step_log_dir``, where to log every engine step (``engine/step_log.py``);
-    ``kv_events_endpoint``, where to publish the prefix cache's KV events (a ZMQ endpoint)."""
+    ``kv_events_endpoint``, where to publish the prefix cache's KV events (a ZMQ endpoint);
+    ``tls``, the certificate and key to serve HTTPS with (``common.tls.server_files``)."""
     disagg = disagg or DisaggConfig()
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
@@ -50,7 +53,8 @@ def run_worker(
         from splitserve.engine.step_log import StepLog
 
         path = os.path.join(step_log_dir, f"{disagg.role}-{port}.jsonl")
-        step_log = StepLog(path, engine, role=disagg.role, url=f"http://{host}:{port}")
+        scheme = "http" if tls is None else "https"
+        step_log = StepLog(path, engine, role=disagg.role, url=f"{scheme}://{host}:{port}")
         engine.step_log = step_log
     kv_events = None
     if kv_events_endpoint is not None:
@@ -76,6 +80,7 @@ def run_worker(
             log_level=log_level,
             access_log=False,  # a log line per request costs throughput; /metrics counts them
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            **uvicorn_tls(tls),
         )
     finally:
         if step_log is not None:

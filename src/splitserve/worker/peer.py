@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from splitserve.common.protocol import make_id
+from splitserve.common.tls import client_context
 from splitserve.transfer import RemoteKV
 from splitserve.worker.auth import WorkerAuth
 from splitserve.worker.disagg import DecodeSide, DisaggConfig, EngineCalls, PrefillSide
@@ -73,6 +74,7 @@ class PeerKV:
         self.calls = calls
         self.metrics = metrics
         self.timeout_s = cfg.peer_timeout_s
+        self.ca = cfg.peer_ca
         self.auth = auth
         self._http: httpx.AsyncClient | None = None
 
@@ -157,7 +159,9 @@ class PeerKV:
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:  # made on the event loop that uses it
             # trust_env=False: a proxy from the environment must not sit between two peers.
-            self._http = httpx.AsyncClient(timeout=self.timeout_s, trust_env=False)
+            # https:// peers: verified against --worker-ca, else certifi's roots.
+            verify = True if self.ca is None else client_context(self.ca)
+            self._http = httpx.AsyncClient(timeout=self.timeout_s, trust_env=False, verify=verify)
         return self._http
 
     async def close(self) -> None:
