@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from splitserve.common.body_limit import add_max_body_arg
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD, RouterConfig
 from splitserve.router.policies import POLICIES
 from splitserve.router.ring import DEFAULT_LOAD_FLOOR
@@ -103,6 +104,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "--kv-events-config endpoint) for --policy kv-events; repeat per worker",
     )
     p.add_argument("--kv-events-topic", default="", help="the workers' KV events topic")
+    add_max_body_arg(p)
     p.add_argument(
         "--tokenizer",
         default=None,
@@ -151,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         kv_events=_kv_events(args.kv_events),
         kv_events_topic=args.kv_events_topic,
         tokenizer=args.tokenizer,
+        max_body_bytes=int(args.max_body_mb * 2**20),
     )
 
 

@@ -7,6 +7,7 @@ import os
 
 import uvicorn
 
+from splitserve.common.body_limit import DEFAULT_MAX_BODY_BYTES
 from splitserve.config import EngineConfig
 from splitserve.worker.disagg import DisaggConfig
 
@@ -26,12 +27,14 @@ def run_worker(
     disagg: DisaggConfig | None = None,
     step_log_dir: str | None = None,
     kv_events_endpoint: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> None:
     """Load the model (the port opens only once it is ready), then serve until stopped.
 
     ``disagg`` carries the worker's role and KV-transfer settings (default: collocated);
     ``step_log_dir``, where to log every engine step (``engine/step_log.py``);
-    ``kv_events_endpoint``, where to publish the prefix cache's KV events (a ZMQ endpoint)."""
+    ``kv_events_endpoint``, where to publish the prefix cache's KV events (a ZMQ endpoint);
+    ``max_body_bytes``, the largest request body taken (a larger one is a 413)."""
     disagg = disagg or DisaggConfig()
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
@@ -63,6 +66,7 @@ def run_worker(
         max_waiting=max_waiting,
         served_model_name=served_model_name,
         disagg=disagg,
+        max_body_bytes=max_body_bytes,
     )
     quiet_gc()
     try:

@@ -15,6 +15,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from splitserve.common import openapi
+from splitserve.common.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from splitserve.common.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,6 +73,7 @@ def create_app(
     max_waiting: int | None = None,
     served_model_name: str | None = None,
     disagg: DisaggConfig | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """A FastAPI app serving ``engine``; the engine thread runs for the app's lifespan.
 
@@ -105,10 +108,12 @@ def create_app(
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     install_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.include_router(_open_routes(async_engine, metrics))
     auth = [Depends(_auth(api_key))]
     app.include_router(_api_routes(async_engine, metrics, model, kv), dependencies=auth)
     app.include_router(kv_routes(async_engine, model, kv), dependencies=auth)
+    openapi.install(app, openapi.worker_operations("bearer" if api_key else None))
     return app
 
 
