@@ -291,6 +291,9 @@ def restore(stack: Stack) -> None:
 def aftermath(s: Stack) -> list[str]:
     """What is wrong with the stack after an attack: an unhealthy worker, another greedy
     answer than before it (from the worker, or through the router)."""
+    exited = [p.args[3] for p in s.procs if p.poll() is not None]  # "worker", "router"
+    if exited:
+        return [f"the {' and '.join(exited)} exited (killed, or crashed: see its log above)"]
     problems = []
     health = httpx.get(f"{s.worker}/health", timeout=10)
     if health.status_code != 200:
@@ -320,8 +323,11 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("SPLITSERVE_CPU_BF16", "0")  # as the tests run it
     started = time.monotonic()
+    load = os.getloadavg()[0]
+    print(f"cases per server: {args.cases}+, seed {args.seed}; load average {load:.1f}")
     with stack() as s:
         worker, router, problems = campaign(s, args.cases, args.seed)
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     for t in (worker, router):
         print(t.summary())
         print(f"  statuses {dict(sorted(t.statuses.items()))}")

@@ -5,6 +5,10 @@ so without a bound one request could take all the memory. A body that declares a
 over the bound (``Content-Length``) is answered 413 at once, before any of it is read; a
 chunked body is counted as it arrives and refused (``BodyTooLarge``) as soon as it passes
 the bound. What the client still sends of a refused body, uvicorn reads and drops.
+
+Not Starlette's ``RequestBodyLimitMiddleware`` (FastAPI's ``max_body_size``): it answers a
+declared oversize body in plain text ("Content Too Large") whatever the app's error
+handlers say, where clients of an OpenAI API expect ``{"error": {...}}``.
 """
 
 from __future__ import annotations
