@@ -130,7 +130,7 @@ def test_bounded_loads_never_exceed_the_cap_while_filling():
 
 
 def test_a_key_with_a_lone_surrogate_has_a_position():
-    """Regression (fuzzing): a body's ``"user": "x\\udfff"`` is a session key that strict
-    UTF-8 refuses; the router answered 500. Other keys keep their positions."""
+    """Regression (tests/fuzz/test_hostile.py): a body's ``"user": "x\\udfff"`` is a session
+    key that strict UTF-8 refuses; the router answered 500. Other keys keep their positions."""
     assert key_position("x\udfff") != key_position("x")
     assert key_position("session-7") == xxhash.xxh3_64_intdigest(b"session-7")

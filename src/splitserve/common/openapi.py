@@ -35,6 +35,13 @@ _BODY_ERRORS = {
     "400": "the body is not a valid request (not JSON, a field out of range, ...)",
     "413": "the body is larger than the server's limit",
 }
+# With ``stream: true``: one server-sent event (OpenAPI before 3.2 describes a stream by its
+# events), whose data is a chunk of the answer as JSON, or ``[DONE]`` after the last.
+_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a chunk as JSON, or [DONE]"}},
+}
 _LOAD = {
     "type": "object",
     "required": ["running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage"],
@@ -69,7 +76,7 @@ def openai_operations(key: str | None) -> dict[tuple[str, str], Operation]:
     def completion(summary: str, body: type[BaseModel], answer: type[BaseModel]) -> Operation:
         ok = {
             "application/json": answer,
-            "text/event-stream": {"type": "string", "description": "with stream: true"},
+            "text/event-stream": _EVENT,
         }
         return Operation(summary, body, ok=ok, errors=model_errors, key=key)
 
