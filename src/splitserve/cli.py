@@ -16,6 +16,7 @@ from splitserve.cli_kv import (
     tier_worker_args,
 )
 from splitserve.cli_vllm import add_engine_choice, run_vllm_worker_from_args, serve_vllm_args
+from splitserve.common.body_limit import add_max_body_arg
 from splitserve.common.kv_events import add_kv_events_args
 from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S as DEFAULT_PEER_TIMEOUT_S
 from splitserve.common.sampling_params import SamplingParams
@@ -132,6 +133,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         step_log_dir=args.step_log_dir,
         kv_events_endpoint=args.kv_events_endpoint,
         tls=server_files(args.ssl_certfile, args.ssl_keyfile),
+        max_body_bytes=int(args.max_body_mb * 2**20),
     )
     return 0
 
@@ -272,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_args(worker)
     add_server_tls_args(worker)
     add_worker_ca_arg(worker, "peer KV fetch (--kv-peer) verifies")
+    add_max_body_arg(worker)
     _add_engine_args(worker)
     add_kv_transfer_args(worker)
     add_kv_tier_args(worker)

@@ -134,3 +134,22 @@ def test_client_leaving_a_slow_stream_closes_the_upstream_at_once(workers3, make
     with HTTP.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30.0) as r:
         next(r.iter_raw())
     wait_until(lambda: listing(router)[workers3[0].url]["in_flight"] == 0, 5, "the relay to close")
+
+
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:99999", "http://h:port", "http://a..b", "http://[::1", "http://x\x0f"]
+)
+def test_undialable_worker_url_is_a_400_not_a_500_later(workers3, make_router, url):
+    """Regression (schemathesis): such a URL was added, and a request placed there would have
+    met a ValueError in the connection pool (a 500), not a worker failure."""
+    router = make_router(workers=[workers3[0].url], admin_key="admin")
+    r = HTTP.post(router.url + "/workers", json={"url": url}, headers=ADMIN)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "url", r.text
+    assert set(listing(router)) == {workers3[0].url}
+
+
+def test_removing_a_blank_worker_url_is_a_404_not_a_500(workers3, make_router):
+    """Regression (schemathesis): ``DELETE /workers/%20`` raised in URL normalisation."""
+    router = make_router(workers=[workers3[0].url], admin_key="admin")
+    r = HTTP.delete(f"{router.url}/workers/%20", headers=ADMIN)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "worker_not_found"

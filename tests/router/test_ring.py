@@ -7,6 +7,7 @@ import sys
 from collections import Counter
 
 import pytest
+import xxhash
 
 from splitserve.router.ring import HashRing, key_position, load_cap
 
@@ -126,3 +127,10 @@ def test_bounded_loads_never_exceed_the_cap_while_filling():
         loads[chosen] += 1
         assert loads[chosen] <= cap
     assert max(loads.values()) <= 125  # ceil(1.25 * 400 / 4)
+
+
+def test_a_key_with_a_lone_surrogate_has_a_position():
+    """Regression (tests/fuzz/test_hostile.py): a body's ``"user": "x\\udfff"`` is a session
+    key that strict UTF-8 refuses; the router answered 500. Other keys keep their positions."""
+    assert key_position("x\udfff") != key_position("x")
+    assert key_position("session-7") == xxhash.xxh3_64_intdigest(b"session-7")

@@ -68,6 +68,20 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    """One tool a chat request offers the model (OpenAI's ``tools[i]``)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class KVRetention(_Request):
     """Extension: keep this conversation's KV cache pinned on the worker for ``ttl_s``
     seconds after the reply (the client is about to run a tool and come back)."""
@@ -104,10 +118,10 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
     tool_choice: str | dict[str, Any] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's range
 
 
 class CompletionRequest(_SamplingFields):
@@ -115,8 +129,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     echo: bool | None = False
-    best_of: int | None = None
-    logprobs: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=128)
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # OpenAI's range
     suffix: str | None = None
 
 

@@ -11,8 +11,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
+from splitserve.common.body_limit import BodyLimit
 from splitserve.common.tenants import DEFAULT_TENANT, Tenants
-from splitserve.router import upstream
+from splitserve.router import api_schema, upstream
 from splitserve.router.config import RouterConfig
 from splitserve.router.erasure import erasure_routes
 from splitserve.router.errors import RouterError
@@ -87,6 +88,7 @@ def create_app(config: RouterConfig) -> Front:
     app.state.metrics = metrics
     app.state.kv_index = kv_index
     _install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.include_router(_open_routes(membership, metrics))
     endpoint = Endpoint(lambda: state["proxy"], metrics, tenants)
     for path in COMPLETION_PATHS:
@@ -94,7 +96,8 @@ def create_app(config: RouterConfig) -> Front:
     app.router.routes.append(Route(MODELS_PATH, endpoint, methods=["GET"]))
     app.include_router(_admin_routes(membership, kv_index), dependencies=[Depends(_admin(config))])
     app.include_router(erasure_routes(lambda: state["proxy"], membership, tenants))
-    return Front(app, endpoint)
+    api_schema.install(app, config)
+    return Front(app, BodyLimit(endpoint, config.max_body_bytes))
 
 
 def _tenants(config: RouterConfig) -> Tenants:
@@ -168,7 +171,10 @@ def _admin_routes(membership: Membership, kv_index: KVIndex | None) -> APIRouter
 
     @router.delete("/workers/{url:path}")
     async def remove_worker(url: str) -> dict[str, Any]:
-        worker = membership.remove(url)
+        try:
+            worker = membership.remove(url)
+        except ValueError:  # not even a URL (blank): no such worker either
+            worker = None
         if worker is None:
             raise RouterError(
                 404, f"no worker {url!r} in this router", code="worker_not_found", param="url"
@@ -194,7 +200,10 @@ def _worker_from(body: dict[str, Any]) -> Worker:
         raise RouterError(400, "'url' must be a non-empty string", param="url")
     if role not in ROLES:
         raise RouterError(400, f"'role' must be one of {', '.join(ROLES)}", param="role")
-    return Worker(url, role)
+    try:
+        return Worker(url, role)
+    except ValueError as e:
+        raise RouterError(400, str(e), param="url") from e
 
 
 def _describe(w: Worker, kv_index: KVIndex | None = None) -> dict[str, Any]:

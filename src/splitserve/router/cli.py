@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from splitserve.common.body_limit import add_max_body_arg
 from splitserve.common.tenant_args import add_api_keys_arg, read_secret
 from splitserve.common.tls import add_server_tls_args, add_worker_ca_arg, server_files, uvicorn_tls
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD, RouterConfig
@@ -113,6 +114,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "--kv-events-config endpoint) for --policy kv-events; repeat per worker",
     )
     p.add_argument("--kv-events-topic", default="", help="the workers' KV events topic")
+    add_max_body_arg(p)
     p.add_argument(
         "--tokenizer",
         default=None,
@@ -166,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         kv_events_topic=args.kv_events_topic,
         tokenizer=args.tokenizer,
         worker_ca=args.worker_ca,
+        max_body_bytes=int(args.max_body_mb * 2**20),
     )
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.common.body_limit import DEFAULT_MAX_BODY_BYTES
 from splitserve.common.tls import client_context
 from splitserve.router.policies import POLICIES
 from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR, DEFAULT_VNODES
@@ -53,6 +54,7 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
     max_connections: int = 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is a 413
     # Below the workers' keep-alive timeout (uvicorn's default: 5 s), so the router retires an
     # idle connection before the worker may close it under a request being sent on it.
     keepalive_expiry_s: float = 2.0
@@ -82,7 +84,14 @@ class RouterConfig:
                 raise ValueError(f"{name} must be one of {known}, got {getattr(self, name)!r}")
         if self.load_factor < 1.0:
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
-        positive = ("vnodes", "load_floor", "failure_threshold", "prefix_chars", "max_connections")
+        positive = (
+            "vnodes",
+            "load_floor",
+            "failure_threshold",
+            "prefix_chars",
+            "max_connections",
+            "max_body_bytes",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

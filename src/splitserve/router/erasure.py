@@ -28,6 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from splitserve.common.tenants import Tenants
+from splitserve.router.errors import RouterError
 from splitserve.router.front import unauthorized
 from splitserve.router.membership import Membership
 from splitserve.router.proxy import Proxy
@@ -58,6 +59,10 @@ def erasure_routes(
     @router.delete("/v1/tenants/{tenant_id}/kv")
     async def erase_tenant(tenant_id: str, request: Request) -> JSONResponse:
         tenant = tenant_of(request)
+        if tenant_id != tenant:
+            raise RouterError(
+                403, "a tenant may erase only its own KV", code="tenant_mismatch", param="tenant"
+            )
         path = f"/v1/tenants/{tenant_id}/kv"
         return await _fan_out(proxy(), membership, path, request.headers, tenant)
 
@@ -81,9 +86,13 @@ async def _fan_out(
     statuses = [status for status, _ in answers]
     workers = {url: body for url, (_, body) in zip(urls, answers, strict=True)}
     complete = all(200 <= s < 300 for s in statuses)
-    body = {"object": "kv.erasure", "session": session, "tenant": tenant}
+    body: dict[str, Any] = {"object": "kv.erasure", "session": session, "tenant": tenant}
     body |= {"complete": complete, "workers": workers}
-    return JSONResponse(body, status_code=_status(statuses))
+    status = _status(statuses)
+    if status != 200:  # an OpenAI error body too, with each worker's answer beside it
+        failed = RouterError(status, "not every worker erased; retry (erasure is idempotent)")
+        body["error"] = json.loads(failed.response().body)["error"]
+    return JSONResponse(body, status_code=status)
 
 
 def _status(statuses: list[int]) -> int:

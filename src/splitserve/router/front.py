@@ -86,9 +86,9 @@ class Endpoint:
 class Front:
     """Sends the OpenAI endpoints' requests straight to ``endpoint``, the rest to ``app``."""
 
-    def __init__(self, app: Any, endpoint: Endpoint) -> None:
+    def __init__(self, app: Any, endpoint: Any) -> None:
         self.app = app
-        self.endpoint = endpoint
+        self.endpoint = endpoint  # an ``Endpoint`` (behind ``BodyLimit``, as the app serves it)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and (scope["method"], scope["path"]) in ROUTES:

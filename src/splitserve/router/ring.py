@@ -29,8 +29,9 @@ DEFAULT_LOAD_FLOOR = 1  # the plain bound: ``load_cap`` is never below 1 anyway
 
 
 def key_position(key: str) -> int:
-    """A key's position on the ring: stable across processes (never Python's ``hash()``)."""
-    return xxhash.xxh3_64_intdigest(key.encode())
+    """A key's position on the ring: stable across processes (never Python's ``hash()``).
+    A key from a client's JSON may hold lone surrogates, which strict UTF-8 refuses."""
+    return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass"))
 
 
 def load_cap(total_load: int, members: int, c: float, floor: int = DEFAULT_LOAD_FLOOR) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from splitserve.common.protocol import WORKER_ROLES as ROLES
 
@@ -54,7 +55,7 @@ class Worker:
         in_flight: int = 0,  # requests this router has sent there and not yet seen finish
         report_own: int = 0,  # of ``report``'s requests, how many were this router's own
     ) -> None:
-        self.url = normalize_url(url)
+        self.url = check_url(normalize_url(url))
         if role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
         self.role = role
@@ -132,6 +133,24 @@ def normalize_url(url: str) -> str:
         raise ValueError("a worker URL must not be empty")
     if "://" not in url:
         url = f"http://{url}"
+    return url
+
+
+def check_url(url: str) -> str:
+    """``url`` if the router can dial it: ``http(s)://host[:port]``, printable ASCII, a port
+    in range. A worker added with anything else would fail every request sent to it in ways
+    no worker failure does (a ValueError, not a refused connection)."""
+    if not url.isascii() or not url.isprintable() or " " in url:
+        raise ValueError(f"a worker URL must be printable ASCII without spaces, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # a ValueError when it is not a number in 0..65535
+        host = parts.hostname or ""
+        host.encode("idna")  # a UnicodeError for an empty or too long label ("a..b")
+    except ValueError as e:  # UnicodeError is one
+        raise ValueError(f"not a worker URL: {url!r} ({e})") from e
+    if parts.scheme not in ("http", "https") or not host or port == 0:
+        raise ValueError(f"a worker URL must be http(s)://host[:port], got {url!r}")
     return url
 
 

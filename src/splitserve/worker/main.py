@@ -7,6 +7,7 @@ import os
 
 import uvicorn
 
+from splitserve.common.body_limit import DEFAULT_MAX_BODY_BYTES
 from splitserve.common.tenants import Tenants
 from splitserve.common.tls import ServerFiles, uvicorn_tls
 from splitserve.config import EngineConfig
@@ -30,13 +31,15 @@ def run_worker(
     step_log_dir: str | None = None,
     kv_events_endpoint: str | None = None,
     tls: ServerFiles | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> None:
     """Load the model (the port opens only once it is ready), then serve until stopped.
 
     ``disagg`` carries the worker's role and KV-transfer settings (default: collocated);
     ``step_log_dir``, where to log every engine step (``engine/step_log.py``);
     ``kv_events_endpoint``, where to publish the prefix cache's KV events (a ZMQ endpoint);
-    ``tls``, the certificate and key to serve HTTPS with (``common.tls.server_files``)."""
+    ``tls``, the certificate and key to serve HTTPS with (``common.tls.server_files``);
+    ``max_body_bytes``, the largest request body taken (a larger one is a 413)."""
     disagg = disagg or DisaggConfig()
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
@@ -70,6 +73,7 @@ def run_worker(
         max_waiting=max_waiting,
         served_model_name=served_model_name,
         disagg=disagg,
+        max_body_bytes=max_body_bytes,
     )
     quiet_gc()
     try:

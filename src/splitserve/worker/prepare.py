@@ -59,7 +59,9 @@ def chat_input(req: ChatCompletionRequest, model: ModelInfo) -> EngineInput:
     if req.tool_choice not in _TOOL_CHOICES:
         raise bad_request("only tool_choice 'auto' and 'none' are supported", param="tool_choice")
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
-    tools = req.tools if offers_tools(req) else None
+    tools = None
+    if offers_tools(req):  # as the client sent them: the router tokenizes the raw body
+        tools = [t.model_dump(exclude_unset=True) for t in req.tools or ()]
     try:
         ids = list(model.tokenizer.apply_chat_template(messages, tools=tools))
     except Exception as e:  # a template may reject a conversation (role order, missing field)

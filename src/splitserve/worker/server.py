@@ -14,6 +14,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from splitserve.common import openapi
+from splitserve.common.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from splitserve.common.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -75,6 +77,7 @@ def create_app(
     max_waiting: int | None = None,
     served_model_name: str | None = None,
     disagg: DisaggConfig | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """A FastAPI app serving ``engine``; the engine thread runs for the app's lifespan.
 
@@ -112,12 +115,14 @@ def create_app(
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     install_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.include_router(_open_routes(async_engine, metrics))
     guard = [Depends(auth)]
     app.include_router(_api_routes(async_engine, metrics, model, kv, auth), dependencies=guard)
     app.include_router(kv_routes(async_engine, model, kv, auth), dependencies=guard)
     app.state.kv_owners = owners_for(engine)
     app.include_router(erasure_routes(async_engine, kv, app.state.kv_owners), dependencies=guard)
+    openapi.install(app, openapi.worker_operations("bearer" if auth.tenants.required else None))
     return app
 
 
