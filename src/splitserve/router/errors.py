@@ -9,10 +9,16 @@ class RouterError(Exception):
     """An error the router answers itself (bad request, auth, no worker available)."""
 
     def __init__(
-        self, status: int, message: str, code: str | None = None, param: str | None = None
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers
         self.message = message
         self.code = code
         self.param = param
@@ -25,7 +31,7 @@ class RouterError(Exception):
 
     def response(self) -> JSONResponse:
         body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
+        return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
 
 
 def no_worker(role: str) -> RouterError:

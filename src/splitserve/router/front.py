@@ -13,6 +13,7 @@ import hmac
 from collections.abc import Callable
 from typing import Any
 
+from splitserve.common.quotas import QuotaExceeded, Quotas, Ticket
 from splitserve.common.tenants import Tenant, Tenants
 from splitserve.router.errors import RouterError
 from splitserve.router.metrics import RouterMetrics
@@ -52,6 +53,7 @@ class Endpoint:
         self.proxy = proxy  # created with the HTTP pool when the app starts
         self.metrics = metrics
         self.tenants = tenants
+        self.quotas = Quotas()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         timeline = Timeline.of(scope)
@@ -60,13 +62,18 @@ class Endpoint:
             tenant = self.tenants.authenticate(headers.get("authorization", ""))
             if tenant is None:
                 raise unauthorized("API key")
-            reply = await self._answer(scope, receive, headers, tenant, timeline)
+            admission = Admission(self.quotas, tenant, self.metrics) if _capped(tenant) else None
+            reply = await self._answer(scope, receive, headers, tenant, timeline, admission)
         except RouterError as e:
             await e.response()(scope, receive, send)
             return
         except ClientGone:
             return
-        await write(reply, scope, receive, send, timeline)
+        try:
+            await write(reply, scope, receive, send, timeline)
+        finally:
+            if admission is not None:
+                admission.release()
         self.metrics.timeline(timeline)
 
     async def _answer(
@@ -76,11 +83,50 @@ class Endpoint:
         headers: dict[str, str],
         tenant: Tenant,
         timeline: Timeline,
+        admission: Admission | None,
     ) -> Reply:
         if scope["path"] == MODELS_PATH:
             return await self.proxy().models(headers, tenant.id, timeline)
         raw = await _body(receive)
-        return await self.proxy().completion(headers, raw, scope["path"], tenant.id, timeline)
+        try:
+            return await self.proxy().completion(
+                headers, raw, scope["path"], tenant.id, timeline, admission
+            )
+        except BaseException:
+            if admission is not None:
+                admission.release()
+            raise
+
+
+class Admission:
+    """One request's place in its tenant's in-flight limits at this router, taken once the
+    proxy knows the request's session (``Proxy.completion``), given back when it ends."""
+
+    def __init__(self, quotas: Quotas, tenant: Tenant, metrics: RouterMetrics) -> None:
+        self.quotas, self.tenant, self.metrics = quotas, tenant, metrics
+        self.ticket: Ticket | None = None
+
+    def admit(self, session: str | None) -> None:
+        try:
+            self.ticket = self.quotas.admit(self.tenant, session)
+        except QuotaExceeded as e:
+            self.metrics.quota_rejections.labels(e.limit).inc()
+            raise RouterError(
+                429,
+                f"{e} ({e.limit}); retry after {e.retry_after_s} s",
+                code="quota_exceeded",
+                headers={"Retry-After": str(e.retry_after_s)},
+            ) from e
+
+    def release(self) -> None:
+        if self.ticket is not None:
+            self.ticket.release()
+
+
+def _capped(tenant: Tenant) -> bool:
+    """Whether the router counts the tenant's requests (it enforces only in-flight limits)."""
+    limits = tenant.limits
+    return limits.requests_in_flight is not None or limits.session_requests_in_flight is not None
 
 
 class Front:

@@ -33,6 +33,12 @@ class RouterMetrics:
             ["worker", "role"],
             registry=r,
         )
+        self.quota_rejections = Counter(
+            "splitserve:router_quota_rejections",
+            "Requests refused with a 429 for passing a tenant's or session's in-flight limit",
+            ["limit"],
+            registry=r,
+        )
         self.retries = Counter(
             "splitserve:router_retries",
             "Requests retried on another worker before the first byte",

@@ -49,6 +49,7 @@ from splitserve.router.vouch import Vouch
 from splitserve.router.worker import Worker
 
 if TYPE_CHECKING:
+    from splitserve.router.front import Admission
     from splitserve.router.prompt_tokens import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -122,9 +123,11 @@ class Proxy:
         path: str,
         tenant: str,
         timeline: Timeline,
+        admission: Admission | None = None,
     ) -> Reply:
         """``POST /v1/chat/completions`` or ``/v1/completions`` for ``tenant``;
-        ``client_headers`` by lower-case name, ``raw`` the request body."""
+        ``client_headers`` by lower-case name, ``raw`` the request body; ``admission``
+        counts it in its tenant's in-flight limits once its session is known."""
         body = parse_body(raw)
         # Only the router names peers and transfer sources (workers will call them): a
         # client's are dropped, never signed.
@@ -135,6 +138,8 @@ class Proxy:
         headers = self._forward_headers(client_headers)
         placement = self._place(client_headers, body, timeline)
         placement.tenant = tenant
+        if admission is not None:
+            admission.admit(placement.info.session_key)
         excluded: list[str] = []
         decode = self._pick("decode", placement.info, excluded)
         if decode is None:

@@ -72,6 +72,12 @@ class WorkerMetrics:
         self.request_errors = Counter(
             "splitserve:request_errors", "Requests answered with an error", ["status"], registry=r
         )
+        self.quota_rejections = Counter(
+            "splitserve:quota_rejections",
+            "Requests refused with a 429 for passing a tenant's or session's limit",
+            ["limit"],
+            registry=r,
+        )
         self._disaggregation_metrics(r)
         self._peer_metrics(r)
 

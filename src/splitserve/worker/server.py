@@ -23,6 +23,7 @@ from splitserve.common.protocol import (
     ModelList,
     make_id,
 )
+from splitserve.common.quotas import Quotas
 from splitserve.common.sampling_params import InvalidParameter
 from splitserve.common.tenants import Tenants
 from splitserve.worker.async_engine import AsyncEngine, EngineError, EngineLike, QueueFull
@@ -50,6 +51,7 @@ from splitserve.worker.prepare import (
     offers_tools,
     parse_body,
 )
+from splitserve.worker.quotas import CountedStream, admit
 from splitserve.worker.responses import (
     SSEResponse,
     chat_response,
@@ -114,6 +116,7 @@ def create_app(
     app = FastAPI(title="splitserve worker", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    app.state.quotas = Quotas()
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.include_router(_open_routes(async_engine, metrics))
@@ -209,23 +212,16 @@ async def _serve(
     if tools and hasattr(async_engine.engine, "retain_prefix"):
         session = session_of(req, request) or request_id
         on_tool_calls = tool_call_pin(async_engine, session, salt)
-    inp, keep = await kv_transfer(req, inp, kv, request)
+    blocks = _blocks(inp, async_engine.engine)
+    quotas = request.app.state.quotas
+    ticket = admit(quotas, auth, request, session_of(req, request), blocks, metrics)
     try:
-        stream = await async_engine.add(
-            request_id,
-            inp.prompt_token_ids,
-            inp.params,
-            inp.prompt,
-            keep_blocks=keep,
-            salt=salt,
-            **options,
-        )
-    except QueueFull as e:
-        raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full") from e
-    except InvalidParameter as e:
-        raise bad_request(str(e), param=e.param) from e
-    except EngineError as e:
-        raise APIError(503, str(e), code="engine_unavailable") from e
+        inp, keep = await kv_transfer(req, inp, kv, request)
+        stream = await _add(async_engine, request_id, inp, keep, salt, options)
+    except BaseException:
+        ticket.release()
+        raise
+    stream = CountedStream(stream, ticket, len(inp.prompt_token_ids))
     stream = own_stream(request, req, request_id, inp.prompt_token_ids, stream)
     tracker = metrics.track()
     if req.stream:
@@ -259,6 +255,38 @@ async def _serve(
     else:
         response = completion_response(request_id, model.name, out, params, req.return_token_ids)
     return JSONResponse(response.model_dump())
+
+
+async def _add(
+    async_engine: AsyncEngine,
+    request_id: str,
+    inp: EngineInput,
+    keep: bool,
+    salt: str,
+    options: dict[str, Any],
+) -> Any:
+    try:
+        return await async_engine.add(
+            request_id,
+            inp.prompt_token_ids,
+            inp.params,
+            inp.prompt,
+            keep_blocks=keep,
+            salt=salt,
+            **options,
+        )
+    except QueueFull as e:
+        raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full") from e
+    except InvalidParameter as e:
+        raise bad_request(str(e), param=e.param) from e
+    except EngineError as e:
+        raise APIError(503, str(e), code="engine_unavailable") from e
+
+
+def _blocks(inp: EngineInput, engine: Any) -> int:
+    """The KV blocks a request may come to hold: its prompt and every token it may write."""
+    block_size = getattr(getattr(engine, "config", None), "block_size", 16)
+    return -(-(len(inp.prompt_token_ids) + inp.params.max_tokens) // block_size)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
