@@ -506,8 +506,11 @@ class Proxy:
         out = {k: upstream.headers[k] for k in _PASSED_RESPONSE_HEADERS if k in upstream.headers}
         out["x-request-id"] = sent["x-request-id"]
         out[DECODE_HEADER] = worker.url
-        if placement.predicted is not None and placement.predicted[0] == worker.url:
-            out[PREDICTED_HEADER] = str(placement.predicted[1])
+        # The KV index matches token ids, blind to salts: what it predicts may be another
+        # tenant's blocks, so only the default tenant is told.
+        predicted = placement.predicted if placement.tenant == DEFAULT_TENANT else None
+        if predicted is not None and predicted[0] == worker.url:
+            out[PREDICTED_HEADER] = str(predicted[1])
         if placement.prefill is not None:
             out[PREFILL_HEADER] = placement.prefill.url
         return out
