@@ -163,6 +163,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="part 1 over HTTPS: the echo worker and the router serve TLS (a private CA)",
     )
+    p.add_argument(
+        "--signed",
+        action="store_true",
+        help="give the router a cluster secret: it signs each forwarded request's tenant",
+    )
     p.add_argument("--ttft", action="store_true", help="also run part 2 (real model workers)")
     p.add_argument("--no-overhead", action="store_true", help="skip part 1")
     p.add_argument("--real-workers", type=int, default=2)
@@ -305,12 +310,16 @@ def router(
     src: Path | None = None,
     profile: Path | None = None,
     tls: DeploymentTLS | None = None,
+    signed: bool = False,
 ) -> Proc:
     """A router process; ``src``: import splitserve from that directory instead;
     ``profile``: run it under cProfile, the stats written there when it stops; ``tls``:
-    serving HTTPS, and verifying https:// workers against its CA."""
+    serving HTTPS, and verifying https:// workers against its CA; ``signed``: with a
+    cluster secret, so it signs every forwarded request's tenant (``common/tenants.py``)."""
     port = free_port()
     env = None if src is None else {**os.environ, "PYTHONPATH": str(src.resolve())}
+    if signed:
+        env = {**(env or os.environ), "SPLITSERVE_KV_SECRET": os.urandom(16).hex()}
     profiler = [] if profile is None else ["-m", "cProfile", "-o", str(profile.resolve())]
     argv = [
         sys.executable,
@@ -388,7 +397,10 @@ def measure_fronts(
     print(f"legs: {'HTTPS (TLS 1.3, a private CA)' if tls else 'plain HTTP'}")
     worker = None if args.worker_url else echo_worker(other_cpus, interval, tls)
     worker_url = args.worker_url or worker.url
-    front = router([worker_url], cpus=router_cpus, profile=args.profile, tls=tls)
+    front = router(
+        [worker_url], cpus=router_cpus, profile=args.profile, tls=tls, signed=args.signed
+    )
+    print(f"tenant signatures: {'on' if args.signed else 'off'}")
     fronts = {"router": front}
     if args.baseline_src is not None:
         fronts["baseline"] = router([worker_url], cpus=router_cpus, src=args.baseline_src)
