@@ -16,6 +16,8 @@ from splitserve.cli_kv import (
     tier_worker_args,
 )
 from splitserve.cli_vllm import add_engine_choice, run_vllm_worker_from_args, serve_vllm_args
+from splitserve.common.access_log import add_access_log_args
+from splitserve.common.access_log import max_bytes as access_log_bytes
 from splitserve.common.body_limit import add_max_body_arg
 from splitserve.common.kv_events import add_kv_events_args
 from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S as DEFAULT_PEER_TIMEOUT_S
@@ -134,6 +136,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         kv_events_endpoint=args.kv_events_endpoint,
         tls=server_files(args.ssl_certfile, args.ssl_keyfile),
         max_body_bytes=int(args.max_body_mb * 2**20),
+        access_log=args.access_log,
+        access_log_max_bytes=access_log_bytes(args.access_log_max_mb),
     )
     return 0
 
@@ -161,6 +165,7 @@ def serve_topology(args: argparse.Namespace):
             *("--load-factor", str(args.load_factor)),
             *("--load-floor", str(args.load_floor)),
             *(["--kv-peer-fetch"] if args.kv_peer_fetch else []),
+            *access_log_args(args, ".router"),
         ],
     )
 
@@ -192,7 +197,17 @@ def serve_worker_args(args: argparse.Namespace) -> list[str]:
     ):
         if value is not None:
             worker_args += [flag, str(value)]
-    return worker_args
+    return worker_args + access_log_args(args)
+
+
+def access_log_args(args: argparse.Namespace, suffix: str = "") -> list[str]:
+    """``serve``'s access log flags for one of its processes: each writes its own file
+    (``PATH.router``; a pool's workers ``PATH.<name>``, ``cluster.local.own_access_log``)."""
+    if args.access_log is None:
+        return []
+    access_log_bytes(args.access_log_max_mb)  # a bad size fails here, not in every process
+    mb = str(args.access_log_max_mb)
+    return ["--access-log", f"{args.access_log}{suffix}", "--access-log-max-mb", mb]
 
 
 def _checked_keys_file(args: argparse.Namespace) -> str | None:
@@ -275,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_tls_args(worker)
     add_worker_ca_arg(worker, "peer KV fetch (--kv-peer) verifies")
     add_max_body_arg(worker)
+    add_access_log_args(worker)
     _add_engine_args(worker)
     add_kv_transfer_args(worker)
     add_kv_tier_args(worker)
@@ -345,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
         "printed for clients to trust)",
     )
     _add_server_args(serve)
+    add_access_log_args(serve)
     _add_engine_args(serve)
     add_kv_tier_args(serve)
     add_engine_choice(serve, worker=False)

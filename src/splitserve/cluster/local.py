@@ -129,6 +129,15 @@ def own_disk_dir(args: list[str], name: str) -> list[str]:
     return [*args[:i], os.path.join(args[i], name), *args[i + 1 :]]
 
 
+def own_access_log(args: list[str], name: str) -> list[str]:
+    """Give a worker of a pool its own access log, ``PATH.<name>``: a rotating file has one
+    writer."""
+    if "--access-log" not in args:
+        return args
+    i = args.index("--access-log") + 1
+    return [*args[:i], f"{args[i]}.{name}", *args[i + 1 :]]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (the OS picks it; reuse races are unlikely)."""
     with socket.socket() as s:
@@ -401,7 +410,8 @@ def pool_workers(
         for i in range(count):
             wport = free_port(host)
             cores = topology.core_args(len(workers))
-            args = own_disk_dir([*worker_args, *cores, *topology.role_args(role)], f"{role}-{i}")
+            args = [*worker_args, *cores, *topology.role_args(role)]
+            args = own_access_log(own_disk_dir(args, f"{role}-{i}"), f"{role}-{i}")
             if role == "decode" and topology.kv_events_tokenizer is not None:
                 args += ["--kv-events-endpoint", f"tcp://{host}:{free_port(host)}"]
             if topology.engine == "vllm" and topology.prefill:  # NixlConnector's side channel

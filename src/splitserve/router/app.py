@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
+from splitserve.common.access_log import AccessLog
 from splitserve.common.body_limit import BodyLimit
 from splitserve.common.tenants import DEFAULT_TENANT, Tenants
 from splitserve.router import api_schema, upstream
@@ -45,6 +46,9 @@ def create_app(config: RouterConfig) -> Front:
     vouch = Vouch(config.cluster_secret, config.worker_api_key)
     kv_index = KVIndex() if config.kv_events else None
     tokenizer = _tokenizer(config)
+    access_log = None
+    if config.access_log is not None:
+        access_log = AccessLog(config.access_log, config.access_log_max_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -82,6 +86,8 @@ def create_app(config: RouterConfig) -> Front:
             await checker.stop()
             await client.close()
             await probes.close()
+            if access_log is not None:
+                access_log.close()
 
     app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.membership = membership
@@ -90,7 +96,7 @@ def create_app(config: RouterConfig) -> Front:
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.include_router(_open_routes(membership, metrics))
-    endpoint = Endpoint(lambda: state["proxy"], metrics, tenants)
+    endpoint = Endpoint(lambda: state["proxy"], metrics, tenants, access_log)
     for path in COMPLETION_PATHS:
         app.router.routes.append(Route(path, endpoint, methods=["POST"]))
     app.router.routes.append(Route(MODELS_PATH, endpoint, methods=["GET"]))

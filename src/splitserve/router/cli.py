@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from splitserve.common.access_log import add_access_log_args, max_bytes
 from splitserve.common.body_limit import add_max_body_arg
 from splitserve.common.tenant_args import add_api_keys_arg, read_secret
 from splitserve.common.tls import add_server_tls_args, add_worker_ca_arg, server_files, uvicorn_tls
@@ -115,6 +116,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-events-topic", default="", help="the workers' KV events topic")
     add_max_body_arg(p)
+    add_access_log_args(p)
     p.add_argument(
         "--tokenizer",
         default=None,
@@ -169,6 +171,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         tokenizer=args.tokenizer,
         worker_ca=args.worker_ca,
         max_body_bytes=int(args.max_body_mb * 2**20),
+        access_log=args.access_log,
+        access_log_max_bytes=max_bytes(args.access_log_max_mb),
     )
 
 

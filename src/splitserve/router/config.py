@@ -55,6 +55,8 @@ class RouterConfig:
     read_timeout_s: float = 600.0
     max_connections: int = 1024
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is a 413
+    access_log: str | None = None  # a JSON line per OpenAI request (common.access_log)
+    access_log_max_bytes: int = 100 * 2**20  # rotated at this size
     # Below the workers' keep-alive timeout (uvicorn's default: 5 s), so the router retires an
     # idle connection before the worker may close it under a request being sent on it.
     keepalive_expiry_s: float = 2.0
@@ -91,6 +93,7 @@ class RouterConfig:
             "prefix_chars",
             "max_connections",
             "max_body_bytes",
+            "access_log_max_bytes",
         )
         for name in positive:
             if getattr(self, name) < 1:

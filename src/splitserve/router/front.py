@@ -13,13 +13,16 @@ import hmac
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
+from splitserve.common.access_log import AccessLog, usage_fields, wall_clock
 from splitserve.common.quotas import QuotaExceeded, Quotas, Ticket
 from splitserve.common.tenants import Tenant, Tenants
 from splitserve.router.errors import RouterError
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.proxy import Proxy
-from splitserve.router.replies import Reply, write
-from splitserve.router.timing import Timeline
+from splitserve.router.proxy import DECODE_HEADER, PREFILL_HEADER, Proxy
+from splitserve.router.replies import Buffered, Reply, write
+from splitserve.router.timing import Timeline, now
 
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 MODELS_PATH = "/v1/models"
@@ -48,15 +51,21 @@ class Endpoint:
     """The OpenAI endpoints' ASGI app (also mounted in the FastAPI app under their paths)."""
 
     def __init__(
-        self, proxy: Callable[[], Proxy], metrics: RouterMetrics, tenants: Tenants
+        self,
+        proxy: Callable[[], Proxy],
+        metrics: RouterMetrics,
+        tenants: Tenants,
+        access_log: AccessLog | None = None,
     ) -> None:
         self.proxy = proxy  # created with the HTTP pool when the app starts
         self.metrics = metrics
         self.tenants = tenants
         self.quotas = Quotas()
+        self.access_log = access_log
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         timeline = Timeline.of(scope)
+        tenant = None
         try:
             headers = _headers(scope)
             tenant = self.tenants.authenticate(headers.get("authorization", ""))
@@ -66,8 +75,12 @@ class Endpoint:
             reply = await self._answer(scope, receive, headers, tenant, timeline, admission)
         except RouterError as e:
             await e.response()(scope, receive, send)
+            if self.access_log is not None:
+                self._log(scope, timeline, tenant, e.status)
             return
         except ClientGone:
+            if self.access_log is not None:
+                self._log(scope, timeline, tenant, 499)
             return
         try:
             await write(reply, scope, receive, send, timeline)
@@ -75,6 +88,39 @@ class Endpoint:
             if admission is not None:
                 admission.release()
         self.metrics.timeline(timeline)
+        if self.access_log is not None:
+            self._log(scope, timeline, tenant, reply.status, reply)
+
+    def _log(
+        self,
+        scope: dict,
+        timeline: Timeline,
+        tenant: Tenant | None,
+        status: int,
+        reply: Reply | None = None,
+    ) -> None:
+        """The request's access log line; the usage only of a buffered answer (a stream's
+        usage chunk is relayed unparsed)."""
+        assert self.access_log is not None
+        headers, workers, usage = _headers(scope), None, None
+        if reply is not None:
+            headers = reply.headers
+            workers = [headers[h] for h in (DECODE_HEADER, PREFILL_HEADER) if h in headers]
+        if isinstance(reply, Buffered) and reply.status == 200 and scope["path"] != MODELS_PATH:
+            usage = _usage(reply.content)
+        self.access_log.write(
+            arrived=wall_clock(timeline.received),
+            server="router",
+            method=scope["method"],
+            path=scope["path"],
+            status=status,
+            latency_s=round(now() - timeline.received, 6),
+            tenant=None if tenant is None else tenant.id,
+            session=None if reply is None else reply.session,
+            request_id=headers.get("x-request-id"),
+            workers=workers,
+            **usage_fields(usage),
+        )
 
     async def _answer(
         self,
@@ -146,6 +192,13 @@ class Front:
 def _headers(scope: dict) -> dict[str, str]:
     """The request's headers by lower-case name; the first of a repeated name wins."""
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(scope["headers"])}
+
+
+def _usage(content: bytes) -> dict[str, Any] | None:
+    try:
+        return orjson.loads(content).get("usage")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
 
 
 async def _body(receive: Any) -> bytes:

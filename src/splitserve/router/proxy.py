@@ -328,7 +328,10 @@ class Proxy:
                 if timeline is not None:
                     timeline.headers, timeline.upstream_first = headers_at, now()
                 return Buffered(
-                    upstream.status, self._headers(upstream, worker, placement, headers), content
+                    upstream.status,
+                    self._headers(upstream, worker, placement, headers),
+                    content,
+                    placement.info.session_key,
                 )
             first = await upstream.piece()
             if not first:
@@ -348,6 +351,7 @@ class Proxy:
             Leg(first, upstream, placement.relay),
             lambda failure: self._after(failure, worker, placement),
             close_once,
+            placement.info.session_key,
         )
 
     async def _after(

@@ -28,6 +28,7 @@ class Buffered:
     status: int
     headers: dict[str, str]
     content: bytes
+    session: str | None = None  # the session key it was placed by (the access log)
 
 
 @dataclass(slots=True)
@@ -40,6 +41,7 @@ class Streamed:
     leg: Leg
     after: Callable[[Exception], AsyncIterator[bytes]]
     on_close: Callable[[], Awaitable[None]]
+    session: str | None = None
 
 
 Reply = Buffered | Streamed

@@ -15,7 +15,13 @@ from splitserve.common.protocol import ChatCompletionRequest, CompletionRequest,
 from splitserve.engine.outputs import RequestOutput
 from splitserve.worker.async_engine import AsyncEngine, EngineError
 from splitserve.worker.auth import WorkerAuth
-from splitserve.worker.disagg import DecodeSide, DisaggConfig, KVLoadFailed, PrefillSide
+from splitserve.worker.disagg import (
+    DecodeSide,
+    DisaggConfig,
+    ImportResult,
+    KVLoadFailed,
+    PrefillSide,
+)
 from splitserve.worker.errors import APIError, bad_request
 from splitserve.worker.metrics import WorkerMetrics
 from splitserve.worker.peer import PeerKV, peer_url
@@ -200,10 +206,12 @@ async def kv_transfer(
         one = dataclasses.replace(inp.params, max_tokens=1)
         return dataclasses.replace(inp, params=one), True
     if params.get("do_remote_prefill"):
-        await _import_prefill(params, inp, kv, salt)
+        imported = await _import_prefill(params, inp, kv, salt)
+        request.state.kv_blocks_received = imported.blocks  # for the access log
     elif peer is not None and kv.peer is not None:
         # A worker without the feature ignores the hint: it is only ever a shortcut.
-        await kv.peer.fetch(inp.prompt_token_ids, peer, tenant, req.cache_salt, salt)
+        outcome = await kv.peer.fetch(inp.prompt_token_ids, peer, tenant, req.cache_salt, salt)
+        request.state.kv_peer_fetch = outcome
     return inp, False
 
 
@@ -217,7 +225,9 @@ def _only_signed(req: ChatCompletionRequest | CompletionRequest, request: Reques
             )
 
 
-async def _import_prefill(params: dict[str, Any], inp: EngineInput, kv: KVSides, salt: str) -> None:
+async def _import_prefill(
+    params: dict[str, Any], inp: EngineInput, kv: KVSides, salt: str
+) -> ImportResult:
     """A decode leg: pull the prompt's KV from the prefill worker that computed it."""
     if kv.decode is None:
         raise bad_request(
@@ -225,7 +235,7 @@ async def _import_prefill(params: dict[str, Any], inp: EngineInput, kv: KVSides,
             param="kv_transfer_params",
         )
     try:
-        await kv.decode.import_kv(inp.prompt_token_ids, dict(params), salt)
+        return await kv.decode.import_kv(inp.prompt_token_ids, dict(params), salt)
     except ValueError as e:
         raise bad_request(str(e), param="kv_transfer_params") from e
     except KVLoadFailed as e:

@@ -32,6 +32,8 @@ def run_worker(
     kv_events_endpoint: str | None = None,
     tls: ServerFiles | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    access_log: str | None = None,
+    access_log_max_bytes: int = 100 * 2**20,
 ) -> None:
     """Load the model (the port opens only once it is ready), then serve until stopped.
 
@@ -39,7 +41,8 @@ def run_worker(
     ``step_log_dir``, where to log every engine step (``engine/step_log.py``);
     ``kv_events_endpoint``, where to publish the prefix cache's KV events (a ZMQ endpoint);
     ``tls``, the certificate and key to serve HTTPS with (``common.tls.server_files``);
-    ``max_body_bytes``, the largest request body taken (a larger one is a 413)."""
+    ``max_body_bytes``, the largest request body taken (a larger one is a 413);
+    ``access_log``, where to write a JSON line per request (``common.access_log``)."""
     disagg = disagg or DisaggConfig()
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
@@ -66,6 +69,9 @@ def run_worker(
         kv_events = EventPublisher(kv_events_endpoint)
         bm = engine.block_manager
         bm.events = BlockEventSink(kv_events, bm.block_size)
+    from splitserve.common.access_log import AccessLog
+
+    log_file = None if access_log is None else AccessLog(access_log, access_log_max_bytes)
     app = create_app(
         engine,
         api_key=api_key,
@@ -74,6 +80,7 @@ def run_worker(
         served_model_name=served_model_name,
         disagg=disagg,
         max_body_bytes=max_body_bytes,
+        access_log=log_file,
     )
     quiet_gc()
     try:

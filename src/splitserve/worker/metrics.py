@@ -176,19 +176,23 @@ class WorkerMetrics:
     def _histogram(name: str, doc: str, registry: CollectorRegistry) -> Histogram:
         return Histogram(f"splitserve:{name}", doc, buckets=_LATENCY_BUCKETS, registry=registry)
 
-    def track(self) -> RequestTracker:
-        return RequestTracker(self)
+    def track(self, on_finish: Callable[[RequestOutput], None] | None = None) -> RequestTracker:
+        return RequestTracker(self, on_finish)
 
 
 class RequestTracker:
-    """Times one request's outputs and counts its tokens when it finishes."""
+    """Times one request's outputs and counts its tokens when it finishes; then calls
+    ``on_finish`` with the final output."""
 
-    __slots__ = ("_m", "_start", "_last")
+    __slots__ = ("_m", "_start", "_last", "_on_finish")
 
-    def __init__(self, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self, metrics: WorkerMetrics, on_finish: Callable[[RequestOutput], None] | None = None
+    ) -> None:
         self._m = metrics
         self._start = time.perf_counter()
         self._last: float | None = None
+        self._on_finish = on_finish
 
     def on_output(self, out: RequestOutput) -> None:
         t = time.perf_counter()
@@ -207,6 +211,8 @@ class RequestTracker:
         m.generation_tokens.inc(len(out.outputs[0].token_ids))
         m.cached_tokens.inc(out.num_cached_tokens)
         m.request_success.labels(out.outputs[0].finish_reason or "unknown").inc()
+        if self._on_finish is not None:
+            self._on_finish(out)
 
 
 def _usage(load: LoadSnapshot) -> float:

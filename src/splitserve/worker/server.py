@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from splitserve.common import openapi
+from splitserve.common.access_log import AccessLog, AccessLogMiddleware
 from splitserve.common.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from splitserve.common.protocol import (
     ChatCompletionRequest,
@@ -26,6 +27,7 @@ from splitserve.common.protocol import (
 from splitserve.common.quotas import Quotas
 from splitserve.common.sampling_params import InvalidParameter
 from splitserve.common.tenants import Tenants
+from splitserve.engine.outputs import RequestOutput
 from splitserve.worker.async_engine import AsyncEngine, EngineError, EngineLike, QueueFull
 from splitserve.worker.auth import WorkerAuth
 from splitserve.worker.disagg import DisaggConfig
@@ -80,12 +82,14 @@ def create_app(
     served_model_name: str | None = None,
     disagg: DisaggConfig | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    access_log: AccessLog | None = None,
 ) -> FastAPI:
     """A FastAPI app serving ``engine``; the engine thread runs for the app's lifespan.
 
     ``engine`` needs ``tokenizer``, ``model_id``, ``max_model_len`` and
     ``model_config.vocab_size`` besides the ``EngineLike`` methods. Clients authenticate
-    with ``tenants``' keys (default: ``api_key`` alone, or none).
+    with ``tenants``' keys (default: ``api_key`` alone, or none). ``access_log``: a line per
+    ``/v1/`` request (closed when the app stops).
     """
     model = ModelInfo(
         name=served_model_name or engine.model_id,  # type: ignore[attr-defined]
@@ -112,6 +116,8 @@ def create_app(
         close = getattr(engine, "close", None)  # pending KV tier writes land within seconds
         if close is not None and not close(TIER_FLUSH_S):
             log.warning("KV tier writes still pending after %.0fs; dropped", TIER_FLUSH_S)
+        if access_log is not None:
+            access_log.close()
 
     app = FastAPI(title="splitserve worker", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.async_engine = async_engine
@@ -119,6 +125,8 @@ def create_app(
     app.state.quotas = Quotas()
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if access_log is not None:  # outside the body limit: a 413 is logged too
+        app.add_middleware(AccessLogMiddleware, log=access_log, server="worker")
     app.include_router(_open_routes(async_engine, metrics))
     guard = [Depends(auth)]
     app.include_router(_api_routes(async_engine, metrics, model, kv, auth), dependencies=guard)
@@ -204,13 +212,14 @@ async def _serve(
     kv: KVSides,
     auth: WorkerAuth,
 ) -> Response:
-    request_id = make_id("chatcmpl" if chat else "cmpl")
+    request_id = request.state.request_id = make_id("chatcmpl" if chat else "cmpl")
+    request.state.session = session_of(req, request)
     tools = chat and offers_tools(req)  # type: ignore[arg-type]
     salt = request.state.kv_salt = auth.salt(request, req.cache_salt)
     options = retention(req, request, async_engine.engine)
     on_tool_calls = None
     if tools and hasattr(async_engine.engine, "retain_prefix"):
-        session = session_of(req, request) or request_id
+        session = request.state.session or request_id
         on_tool_calls = tool_call_pin(async_engine, session, salt)
     blocks = _blocks(inp, async_engine.engine)
     quotas = request.app.state.quotas
@@ -223,7 +232,7 @@ async def _serve(
         raise
     stream = CountedStream(stream, ticket, len(inp.prompt_token_ids))
     stream = own_stream(request, req, request_id, inp.prompt_token_ids, stream)
-    tracker = metrics.track()
+    tracker = metrics.track(lambda out: _note_usage(request, out))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         prompt_ids = inp.prompt_token_ids if req.return_token_ids else None
@@ -287,6 +296,14 @@ def _blocks(inp: EngineInput, engine: Any) -> int:
     """The KV blocks a request may come to hold: its prompt and every token it may write."""
     block_size = getattr(getattr(engine, "config", None), "block_size", 16)
     return -(-(len(inp.prompt_token_ids) + inp.params.max_tokens) // block_size)
+
+
+def _note_usage(request: Request, out: RequestOutput) -> None:
+    """The token counts of a finished request, for the access log."""
+    state = request.state
+    state.prompt_tokens = len(out.prompt_token_ids)
+    state.cached_tokens = out.num_cached_tokens
+    state.completion_tokens = len(out.outputs[0].token_ids)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
