@@ -194,12 +194,13 @@ class EventPublisher:
 
     def _send(self, batch: EventBatch) -> None:
         seq = self.batches_sent.to_bytes(SEQ_BYTES, "big")
+        # Counted before it can arrive anywhere, and numbered even if lost: a subscriber
+        # must see the gap rather than a quiet loss.
+        self.batches_sent += 1
         try:
             self._socket.send_multipart((self._topic, seq, encode_batch(batch)))
         except zmq.ZMQError:
             log.exception("could not publish KV events")
-        # Numbered even if lost: a subscriber must see the gap rather than a quiet loss.
-        self.batches_sent += 1
 
 
 def subscribe(context: zmq.Context, endpoint: str, topic: str = "") -> zmq.Socket:

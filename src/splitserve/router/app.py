@@ -27,7 +27,7 @@ from splitserve.router.policies import make_policy
 from splitserve.router.proxy import Proxy
 from splitserve.router.ring import DEFAULT_VNODES
 from splitserve.router.vouch import Vouch
-from splitserve.router.worker import ROLES, Worker, healthy_workers
+from splitserve.router.worker import ROLES, Worker, check_url, healthy_workers, normalize_url
 
 
 def create_app(config: RouterConfig) -> Front:
@@ -207,7 +207,7 @@ def _worker_from(body: dict[str, Any]) -> Worker:
     if role not in ROLES:
         raise RouterError(400, f"'role' must be one of {', '.join(ROLES)}", param="role")
     try:
-        return Worker(url, role)
+        return Worker(check_url(normalize_url(url)), role)
     except ValueError as e:
         raise RouterError(400, str(e), param="url") from e
 

@@ -10,7 +10,7 @@ from splitserve.common.body_limit import DEFAULT_MAX_BODY_BYTES
 from splitserve.common.tls import client_context
 from splitserve.router.policies import POLICIES
 from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR, DEFAULT_VNODES
-from splitserve.router.worker import Worker, normalize_url
+from splitserve.router.worker import Worker, check_url, normalize_url
 
 # Below this many uncached prompt tokens the decode worker prefills locally: a remote leg
 # costs a second HTTP round trip plus the transfer. Measured break-even on this project's
@@ -141,7 +141,7 @@ class RouterConfig:
             ("prefill", self.prefill),
         ):
             for url in urls:
-                w = Worker(url, role)
+                w = Worker(check_url(normalize_url(url)), role)
                 if w.url in out:
                     raise ValueError(f"worker {w.url} is listed twice")
                 out[w.url] = w

@@ -55,7 +55,7 @@ class Worker:
         in_flight: int = 0,  # requests this router has sent there and not yet seen finish
         report_own: int = 0,  # of ``report``'s requests, how many were this router's own
     ) -> None:
-        self.url = check_url(normalize_url(url))
+        self.url = normalize_url(url)
         if role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
         self.role = role
