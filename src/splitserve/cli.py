@@ -156,6 +156,7 @@ def serve_topology(args: argparse.Namespace):
         threads_per_worker=args.threads_per_worker,
         kv_transport=args.kv_transport,
         kv_peer=args.kv_peer_fetch,
+        kv_encrypt=args.kv_encrypt,
         kv_peer_timeout_s=args.kv_peer_timeout,
         engine=args.engine,
         kv_events_tokenizer=_router_tokenizer(args),
@@ -305,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode", type=int, default=0, metavar="M", help="decode workers")
     serve.add_argument("--threads-per-worker", type=int, default=None, metavar="T")
     serve.add_argument("--kv-transport", default="tcp", choices=["tcp", "shm"])
+    serve.add_argument(
+        "--kv-encrypt",
+        action="store_true",
+        help="encrypt the KV blocks that move between workers (AES-GCM; the transfers are "
+        "always authenticated)",
+    )
     serve.add_argument(
         "--remote-prefill-threshold",
         type=int,

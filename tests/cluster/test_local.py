@@ -11,6 +11,7 @@ import time
 
 import httpx
 import psutil
+import pytest
 from procs import free_port, stop_group
 
 from splitserve.cluster.local import (
@@ -167,3 +168,16 @@ def test_regression_a_signal_inside_the_stop_wait_cannot_deadlock_serve():
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert stop.is_set()
+
+
+def test_serve_kv_encrypt_reaches_every_pool_worker():
+    from splitserve.cluster.local import Topology
+
+    plain = Topology(prefill=1, decode=2, kv_peer=True)
+    sealed = Topology(prefill=1, decode=2, kv_peer=True, kv_encrypt=True)
+    assert "--kv-encrypt" not in plain.role_args("prefill") + plain.role_args("decode")
+    assert "--kv-encrypt" in sealed.role_args("prefill")
+    assert "--kv-encrypt" in sealed.role_args("decode")
+    assert "--kv-encrypt" in Topology(decode=1, kv_encrypt=True).role_args("decode")
+    with pytest.raises(ValueError, match="needs pools"):
+        Topology(kv_encrypt=True)

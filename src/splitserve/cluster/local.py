@@ -228,6 +228,7 @@ class Topology:
     kv_transport: str = "tcp"
     kv_peer: bool = False  # decode workers lend each other sessions' KV (worker.peer)
     kv_peer_timeout_s: float = DEFAULT_KV_PEER_TIMEOUT_S
+    kv_encrypt: bool = False  # KV moving between workers is AES-GCM encrypted
     engine: str = "builtin"  # or "vllm": each worker a vLLM server (cluster.vllm_worker)
     # Set: decode workers publish KV events, the router places by them and tokenizes with
     # this model directory (--policy kv-events).
@@ -241,6 +242,10 @@ class Topology:
             raise ValueError("prefill workers need at least one decode worker (--decode M)")
         if self.kv_peer and not self.decode:
             raise ValueError("--kv-peer-fetch needs decode workers behind the router (--decode M)")
+        if self.kv_encrypt and not self.decode:
+            raise ValueError(
+                "--kv-encrypt encrypts KV moving between workers; it needs pools (--decode M)"
+            )
         if not self.kv_peer_timeout_s > 0:
             raise ValueError(f"--kv-peer-timeout must be > 0, got {self.kv_peer_timeout_s}")
 
@@ -268,11 +273,12 @@ class Topology:
         """Flags only the workers of ``role`` get."""
         if self.engine == "vllm":
             return []  # vLLM's KV moves by NixlConnector; peer fetch is builtin-only
+        encrypt = ["--kv-encrypt"] if self.kv_encrypt else []
         if role == "prefill":
-            return ["--kv-transport", self.kv_transport]
+            return ["--kv-transport", self.kv_transport, *encrypt]
         if not self.kv_peer:
-            return []
-        return ["--kv-peer", "--kv-peer-timeout", str(self.kv_peer_timeout_s)]
+            return encrypt
+        return ["--kv-peer", "--kv-peer-timeout", str(self.kv_peer_timeout_s), *encrypt]
 
     @property
     def disaggregated(self) -> bool:

@@ -245,18 +245,8 @@ class DiskTier(KVTier):
         return True
 
     def _write_atomic(self, path: Path, raw: bytes) -> None:
-        # Write then rename: a reader or a restart sees the whole file or none of it.
         path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(raw)
-                if self._fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(path, raw, self._fsync)
 
     def _make_room(self, size: int) -> None:
         """Delete least-recently-used files until ``size`` more bytes fit; holds the lock."""
@@ -306,3 +296,17 @@ class DiskTier(KVTier):
     def usage(self) -> TierUsage:
         with self._lock:
             return TierUsage(self._bytes_used, self.capacity_bytes, len(self._index))
+
+
+def write_atomic(path: Path, raw: bytes, fsync: bool) -> None:
+    """Write then rename: a reader or a restart sees the whole file or none of it."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(raw)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

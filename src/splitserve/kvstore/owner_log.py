@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import xxhash
 
 from splitserve.kvstore.base import BlockHash
+from splitserve.kvstore.disk import write_atomic
 
 OWNERS_DIR = "owners"
 SUFFIX = ".own"
@@ -135,14 +135,5 @@ class OwnerLog:
             self._compacted[tenant] = 0
             return
         raw = b"".join(s + h for s, h in records)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(raw)
-                if self._fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(path, raw, self._fsync)
         self._compacted[tenant] = len(raw)
