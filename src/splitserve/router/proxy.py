@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from splitserve.common.tenants import DEFAULT_TENANT
+from splitserve.common.tenants import DEFAULT_TENANT, kv_salt
 from splitserve.router import disagg
 from splitserve.router.body import forwarded
 from splitserve.router.body import parse as parse_body
@@ -134,6 +134,7 @@ class Proxy:
         client_written = [name for name in ROUTER_FIELDS if name in body]
         for name in client_written:
             del body[name]
+        rewrite = self._salt_for_vllm(body, tenant) or bool(client_written)
         timeline.parsed = now()
         headers = self._forward_headers(client_headers)
         placement = self._place(client_headers, body, timeline)
@@ -161,7 +162,7 @@ class Proxy:
             placement.relay = StreamRelay(log, body)
             placement.headers, placement.excluded = headers, excluded
             added.update(TOKEN_IDS_FIELD)
-        payload = forwarded(raw, body, added, bool(client_written))
+        payload = forwarded(raw, body, added, rewrite)
         return await self._with_retries(
             "decode",
             placement,
@@ -169,6 +170,21 @@ class Proxy:
             decode,
             lambda w: self._send(w, "POST", path, payload, headers, stream, placement),
         )
+
+    def _salt_for_vllm(self, body: dict[str, Any], tenant: str) -> bool:
+        """vLLM workers know no tenants: they get the request's KV salt (the tenant's,
+        with the client's ``cache_salt`` folded in) as vLLM's own ``cache_salt``, so tenants
+        never share vLLM's prefix cache. True when ``body`` changed."""
+        if self.config.worker_engine != "vllm":
+            return False
+        own = body.get("cache_salt")
+        if own is not None and not isinstance(own, str):
+            return False  # vLLM answers the malformed field with its own 400
+        salt = kv_salt(self.vouch.secret, tenant, own)
+        if not salt:
+            return False
+        body["cache_salt"] = salt
+        return True
 
     def _prefetch_hint(
         self, worker: Worker, body: dict[str, Any], headers: dict[str, str], tenant: str
