@@ -204,6 +204,10 @@ def test_tenants_never_share_vllms_prefix_cache(deployment):
     assert cached("alice") >= VLLM_CPU_BLOCK_SIZE  # the same tenant hits its own cache
     assert cached("bob") == 0  # on the same worker (one session), the same prompt: no hit
     assert cached("bob") >= VLLM_CPU_BLOCK_SIZE
+    # Only the router holds the vLLM workers' key: no client can go round it.
+    worker = httpx.get(f"{url}/workers", headers=AUTH, timeout=10).json()["workers"][0]["url"]
+    direct = httpx.get(f"{worker}/v1/models", headers=AUTH, timeout=10)
+    assert direct.status_code == 401
 
 
 def test_the_router_reads_vllm_load_from_its_metrics(deployment):

@@ -140,3 +140,26 @@ def test_a_missing_vllm_is_a_one_line_error_naming_make_install_vllm(tmp_path, c
     assert main(["worker", "--engine", "vllm", "--vllm-python", str(tmp_path / "py")]) == 2
     err = capsys.readouterr().err.strip()
     assert "make install-vllm" in err and len(err.splitlines()) == 1
+
+
+def test_serve_gives_vllm_workers_a_key_only_the_router_holds_under_a_keys_file(tmp_path):
+    # vLLM knows no tenants: clients reach it only through the router, which vouches for them.
+    from splitserve.cluster.local import _pools
+
+    args = build_parser().parse_args(["serve", "--engine", "vllm", "--decode", "2"])
+    env = {"SPLITSERVE_API_KEYS": str(tmp_path / "keys.json")}
+    pools, (router,) = (
+        d.workers for d in _pools("127.0.0.1", 0, None, [], env, serve_topology(args))
+    )
+    keys = {w.env["SPLITSERVE_API_KEY"] for w in pools}
+    assert len(keys) == 1 and len(keys.pop()) >= 32
+    assert router.env["SPLITSERVE_WORKER_API_KEY"] == pools[0].env["SPLITSERVE_API_KEY"]
+    assert "SPLITSERVE_API_KEY" not in router.env  # no client may use the workers' key
+    assert router.argv[router.argv.index("--worker-engine") + 1] == "vllm"
+
+
+def test_a_keys_file_with_a_lone_vllm_worker_is_refused(tmp_path, capsys):
+    keys = tmp_path / "keys.json"
+    keys.write_text('[{"key": "sk-a", "tenant": "alice"}]')
+    assert main(["serve", "--engine", "vllm", "--api-keys", str(keys)]) == 2
+    assert "needs the router in front (--decode N)" in capsys.readouterr().err

@@ -301,6 +301,11 @@ def serve(
     topology = topology or Topology()
     env = {"SPLITSERVE_API_KEY": api_key} if api_key else {}
     if api_keys_file:
+        if topology.engine == "vllm" and not topology.disaggregated:
+            raise ValueError(
+                "--api-keys with --engine vllm needs the router in front (--decode N): "
+                "a vLLM server alone knows no tenants"
+            )
         env["SPLITSERVE_API_KEYS"] = os.path.abspath(api_keys_file)
     if not tls:
         return _serve(host, port, model, worker_args, env, ready_timeout, topology, None)
@@ -385,6 +390,10 @@ def _pools(
     """Prefill and decode workers on free ports sharing a fresh cluster secret, and the
     router on ``port``; ``tls``: everyone serves HTTPS (``worker_args`` carry the flags)."""
     env = {**env, "SPLITSERVE_KV_SECRET": secrets.token_hex(32)}
+    router_env = dict(env)
+    if topology.engine == "vllm" and "SPLITSERVE_API_KEYS" in env:
+        # vLLM knows no tenants: it takes one key, which only the router holds.
+        env["SPLITSERVE_API_KEY"] = secrets.token_urlsafe(32)
     workers = pool_workers(host, model, worker_args, env, topology, tls)
     urls = {
         role: [w.url for w in workers if w.name.startswith(role)] for role in ("prefill", "decode")
@@ -394,7 +403,6 @@ def _pools(
         router_args += ["--worker-engine", "vllm"]
     if tls is not None:
         router_args += tls.server_args()
-    router_env = dict(env)
     if "SPLITSERVE_API_KEY" in env:
         router_env["SPLITSERVE_WORKER_API_KEY"] = env["SPLITSERVE_API_KEY"]
     argv = router_argv(host, port, urls["prefill"], urls["decode"], router_args)
