@@ -20,8 +20,9 @@ class Recorder:
     def __init__(self) -> None:
         self.log: list[tuple] = []
 
-    def stored(self, hashes, parent, blocks) -> None:
-        self.log.append(("stored", list(hashes), parent, [tuple(b) for b in blocks]))
+    def stored(self, hashes, parent, blocks, salt="") -> None:
+        entry = ("stored", list(hashes), parent, [tuple(b) for b in blocks])
+        self.log.append(entry + ((salt,) if salt else ()))
 
     def removed(self, block_hash) -> None:
         self.log.append(("removed", block_hash))
@@ -36,8 +37,8 @@ def manager(num_blocks: int = 8) -> tuple[BlockManager, Recorder]:
     return bm, bm.events
 
 
-def admit(bm: BlockManager, tokens: list[int], rid: str) -> Sequence:
-    seq = Sequence(rid, list(tokens), SamplingParams(), ROOT)
+def admit(bm: BlockManager, tokens: list[int], rid: str, root: bytes = ROOT) -> Sequence:
+    seq = Sequence(rid, list(tokens), SamplingParams(), root)
     match = bm.match_prefix(seq)
     n = seq.num_tokens - match.num_blocks * BS
     bm.allocate(seq, match)
@@ -182,3 +183,32 @@ def test_a_tier_load_is_stored_chained_to_the_device_prefix_it_extends():
     [load] = tiering.take_copies()
     tiering.complete(CopyDone(load.copy_id, 3))
     assert rec.log == [("stored", h[1:4], h[0], blocks_of(tokens)[1:4])]
+
+
+def test_a_salted_chains_first_block_is_stored_with_its_salt():
+    # As vLLM's events carry a request's cache_salt: the router tells tenants' blocks apart.
+    bm, rec = manager()
+    salted = root_hash("test-model", "tenant-salt")
+    bm.note_salt(salted, "tenant-salt")
+    tokens = list(range(10))
+    seq = admit(bm, tokens, "a", salted)
+    h = hash_blocks(tokens, salted, BS)
+    assert rec.log == [("stored", h, None, blocks_of(tokens), "tenant-salt")]
+    seq.token_ids += [10, 11]  # the chain grows: a run with a parent carries no salt
+    bm.append_slots(seq, 2)
+    seq.num_computed_tokens += 2
+    bm.cache_full_blocks(seq)
+    assert rec.log[-1][2] == h[-1] and len(rec.log[-1]) == 4
+    admit(bm, [50 + t for t in range(4)], "b")  # unsalted: no salt
+    assert len(rec.log[-1]) == 4
+
+
+def test_register_of_a_salted_chains_first_block_carries_the_salt():
+    bm, rec = manager()
+    salted = root_hash("test-model", "s1")
+    bm.note_salt(salted, "s1")
+    tokens = list(range(8))
+    h = hash_blocks(tokens, salted, BS)
+    ids = bm.reserve(2)
+    bm.register(ids, h, tokens, root=salted)
+    assert rec.log == [("stored", h, None, blocks_of(tokens), "s1")]

@@ -16,7 +16,7 @@ import pytest
 from procs import free_port, start_worker, stop_group, wait_healthy
 
 from splitserve.common.kv_hash import hash_blocks
-from splitserve.router.kv_index import ROOT, KVIndex
+from splitserve.router.kv_index import ROOT, KVIndex, chain_root
 from splitserve.router.prompt_tokens import ChatTokenizer
 from splitserve.router.proxy import DECODE_HEADER, PREDICTED_HEADER
 
@@ -133,3 +133,44 @@ def test_placement_and_predicted_cache_match_the_workers(workers, make_router):
                 {"role": "user", "content": f"Step {turn} done; what next?"},
             ]
     assert index.stats.gaps == 0
+
+
+def test_salted_requests_are_placed_and_predicted_by_their_own_chain(workers, make_router):
+    # A cache_salt (or a tenant) hashes the same tokens into other blocks: the index must
+    # neither place by another salt's blocks nor predict a hit the worker will not have.
+    urls = [url for url, _ in workers]
+    router = make_router(
+        workers=urls, policy="kv-events", kv_events=dict(workers), tokenizer=tokenizer_dir()
+    )
+    state = router.app.app.state
+    index: KVIndex = state.kv_index
+    wait_until(lambda: state.kv_events.connected == set(urls), what="the event subscriptions")
+    for url in urls:
+        warm_up(index, url)
+    messages = [
+        {"role": "system", "content": "You review pull requests for a storage team. " * 4},
+        {"role": "user", "content": "Review: a retry loop without a bound."},
+    ]
+
+    def send(cache_salt: str) -> tuple[int, int, str]:
+        body = {"messages": messages, "max_tokens": 2, "temperature": 0, "cache_salt": cache_salt}
+        r = HTTP.post(
+            router.url + "/v1/chat/completions",
+            json=body,
+            headers={"X-Session-Id": str(uuid.uuid4())},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return cached, int(r.headers[PREDICTED_HEADER]), r.headers[DECODE_HEADER]
+
+    cached, predicted, first = send("team-a")
+    assert cached == predicted == 0
+    ids = ChatTokenizer.from_dir(tokenizer_dir()).request_ids({"messages": messages})
+    hashes = hash_blocks(ids[: (len(ids) - 1) // BS * BS], chain_root("|team-a"), BS)
+    blocks = index.workers[first]
+    wait_until(lambda: blocks.prefix(hashes) == len(hashes), 30, "the salted chain's events")
+    cached, predicted, again = send("team-a")
+    assert again == first and cached == predicted > 0
+    cached, predicted, _ = send("team-b")  # the same tokens, another salt: no hit anywhere
+    assert cached == predicted == 0

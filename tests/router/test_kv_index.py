@@ -11,9 +11,10 @@ from splitserve.common.kv_events import (
     BlockStored,
     EventBatch,
     EventPublisher,
+    salted_extra_keys,
 )
 from splitserve.common.kv_hash import hash_blocks
-from splitserve.router.kv_index import ROOT, KVEventSubscriber, KVIndex
+from splitserve.router.kv_index import ROOT, KVEventSubscriber, KVIndex, chain_root
 
 BS = 4
 W1, W2 = "http://w1", "http://w2"
@@ -21,9 +22,11 @@ TOKENS = list(range(100, 120))  # 5 blocks of 4
 OURS = hash_blocks(TOKENS, ROOT, BS)
 
 
-def stored(theirs: list[int], parent: int | None, first_block: int) -> BlockStored:
+def stored(theirs: list[int], parent: int | None, first_block: int, salt: str = "") -> BlockStored:
     tokens = TOKENS[first_block * BS : (first_block + len(theirs)) * BS]
-    return BlockStored(theirs, parent, tokens, BS, None, "GPU", None)
+    return BlockStored(
+        theirs, parent, tokens, BS, None, "GPU", None, salted_extra_keys(len(theirs), salt)
+    )
 
 
 def removed(*theirs: int) -> BlockRemoved:
@@ -176,3 +179,22 @@ def test_the_subscriber_feeds_the_index_and_forgets_a_worker_that_goes_away():
             await subscriber.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_salted_chain_is_indexed_apart_and_found_only_with_its_salt():
+    # Two tenants' equal tokens are two chains, in the workers and in the index.
+    index = KVIndex()
+    index.apply(W1, 0, batch(stored([901, 902], None, 0, salt="alice"), stored([903], 902, 2)))
+    index.apply(W2, 0, batch(stored([801, 802, 803], None, 0)))
+    assert held(index) == set(hash_blocks(TOKENS[: 3 * BS], chain_root("alice"), BS))
+    assert index.matches([W1, W2], TOKENS, "alice") == {W1: 3 * BS, W2: 0}
+    assert index.matches([W1, W2], TOKENS) == {W1: 0, W2: 3 * BS}
+    assert index.matches([W1, W2], TOKENS, "bob") == {W1: 0, W2: 0}
+
+
+def test_the_salt_is_read_past_a_lora_name_as_vllm_orders_extra_keys():
+    index = KVIndex()
+    event = stored([901], None, 0)
+    event.lora_name, event.extra_keys = "adapter", [("adapter", "alice")]
+    index.apply(W1, 0, batch(event))
+    assert index.matches([W1], TOKENS[:8], "alice") == {W1: BS}

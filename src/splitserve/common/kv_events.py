@@ -223,11 +223,20 @@ class BlockEventSink:
         self.medium = medium
 
     def stored(
-        self, hashes: list[bytes], parent: bytes | None, blocks: Sequence[tuple[int, ...]]
+        self,
+        hashes: list[bytes],
+        parent: bytes | None,
+        blocks: Sequence[tuple[int, ...]],
+        salt: str = "",
     ) -> None:
+        """A stored run; a salted chain's first block carries its salt in ``extra_keys``,
+        where vLLM puts a request's ``cache_salt``."""
         tokens = [t for block in blocks for t in block]
+        extra = salted_extra_keys(len(hashes), salt) if parent is None else None
         self.publisher.emit(
-            BlockStored(list(hashes), parent, tokens, self.block_size, None, self.medium, None)
+            BlockStored(
+                list(hashes), parent, tokens, self.block_size, None, self.medium, None, extra
+            )
         )
 
     def removed(self, block_hash: bytes) -> None:
@@ -235,6 +244,26 @@ class BlockEventSink:
 
     def cleared(self) -> None:
         self.publisher.emit(AllBlocksCleared())
+
+
+def salted_extra_keys(num_blocks: int, salt: str) -> list[tuple[Any, ...] | None] | None:
+    """``extra_keys`` of a chain's first ``num_blocks`` blocks hashed with ``salt``: the
+    salt in the first block's entry, as vLLM's; None for the empty salt."""
+    if not salt or num_blocks < 1:
+        return None
+    return [(salt,), *([None] * (num_blocks - 1))]
+
+
+def first_block_salt(event: BlockStored) -> str:
+    """The salt a chain's first stored block was hashed with ("" when none): the string
+    among its ``extra_keys`` (a LoRA name comes first when ``lora_name`` is set; multimodal
+    entries are tuples)."""
+    if not event.extra_keys or event.extra_keys[0] is None:
+        return ""
+    keys = list(event.extra_keys[0])
+    if event.lora_name is not None and keys and keys[0] == event.lora_name:
+        keys = keys[1:]
+    return next((k for k in keys if isinstance(k, str)), "")
 
 
 def vllm_kv_events_config(port: int, topic: str = "") -> str:

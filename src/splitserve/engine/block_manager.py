@@ -12,6 +12,7 @@ head of the queue so that cached ones are evicted last, oldest first.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,6 +20,8 @@ from typing import Protocol
 from splitserve.common.kv_hash import BlockChain, BlockHash
 from splitserve.engine.free_queue import FreeQueue
 from splitserve.engine.sequence import Sequence
+
+MAX_NAMED_SALTS = 4096  # salts whose root hash the block manager can name (note_salt)
 
 
 class Block:
@@ -82,10 +85,15 @@ class PrefixMatch:
 class CacheEvents(Protocol):
     """Hears what the prefix cache gains and loses (``common.kv_events.BlockEventSink``
     publishes it as KV events). ``stored``: consecutive blocks of one chain, the first
-    chained to ``parent`` (None: a prompt's first block), with their tokens."""
+    chained to ``parent`` (None: a prompt's first block, hashed from the root of ``salt``),
+    with their tokens."""
 
     def stored(
-        self, hashes: list[BlockHash], parent: BlockHash | None, blocks: list[tuple[int, ...]]
+        self,
+        hashes: list[BlockHash],
+        parent: BlockHash | None,
+        blocks: list[tuple[int, ...]],
+        salt: str = "",
     ) -> None: ...
     def removed(self, block_hash: BlockHash) -> None: ...
     def cleared(self) -> None: ...
@@ -117,6 +125,7 @@ class BlockManager:
         self.prefix_hits = 0  # of which served from the cache
         self.on_evict = on_evict
         self.events: CacheEvents | None = None
+        self._salts: OrderedDict[BlockHash, str] = OrderedDict()  # root hash -> its salt
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -240,7 +249,11 @@ class BlockManager:
             parent = chain.hashes[start - 1] if start else None
             new = {h for _, h in published}
             self._report_stored(
-                parent, chain.hashes[start:num_full], chain.tokens[start:num_full], new
+                parent,
+                chain.hashes[start:num_full],
+                chain.tokens[start:num_full],
+                new,
+                seq.root_hash,
             )
         return published
 
@@ -290,13 +303,15 @@ class BlockManager:
         start_block: int = 0,
         blocks: list[tuple[int, ...]] | None = None,
         parent: BlockHash | None = None,
+        root: BlockHash | None = None,
     ) -> None:
         """Publish reserved blocks, now filled with the KV of the consecutive full blocks
         ``start_block, start_block + 1, ...`` of ``token_ids``, under their hashes, then
         release them into the prefix cache. ``blocks``: those blocks' tokens as tuples made
         already (a ``BlockChain``'s), stored as they are; a lookup through that chain then
         finds them by identity instead of comparing every token. ``parent``: the hash of
-        the block before the first (None: that is the chain's first block), for ``events``."""
+        the block before the first (None: that is the chain's first block), and ``root``,
+        the chain's root hash, for ``events``."""
         bs = self.block_size
         for i, (block_id, h) in enumerate(zip(block_ids, hashes, strict=True), start_block):
             if h not in self._cached and self._hash[block_id] is None:
@@ -308,7 +323,7 @@ class BlockManager:
                 )
                 self._cached[h] = block_id
         if self.events is not None:
-            self._report_registered(block_ids, hashes, token_ids, start_block, blocks, parent)
+            self._report_registered(block_ids, hashes, token_ids, start_block, blocks, parent, root)
         self.release(block_ids)
 
     def acquire(self, block_ids: list[int]) -> None:
@@ -373,6 +388,18 @@ class BlockManager:
         if emptied and events is not None:
             events.cleared()
 
+    def note_salt(self, root: BlockHash, salt: str) -> None:
+        """``root`` is the root hash of ``salt``'s chains: a chain's first block is reported
+        to ``events`` with its salt (as vLLM's KV events carry a request's cache salt), so
+        that who indexes the events tells tenants' blocks apart. The last
+        ``MAX_NAMED_SALTS`` salts are kept."""
+        if not salt or self.events is None:
+            return
+        self._salts[root] = salt
+        self._salts.move_to_end(root)
+        if len(self._salts) > MAX_NAMED_SALTS:
+            self._salts.popitem(last=False)
+
     def _take(self, block_ids: list[int]) -> None:
         ref, free = self._ref, self._free
         for block_id in block_ids:
@@ -406,6 +433,7 @@ class BlockManager:
         start_block: int,
         blocks: list[tuple[int, ...]] | None,
         parent: BlockHash | None,
+        root: BlockHash | None,
     ) -> None:
         # Registered here, not before: the hash now names this very block.
         new = {h for h, b in zip(hashes, block_ids, strict=True) if self._cached.get(h) == b}
@@ -414,7 +442,7 @@ class BlockManager:
         if blocks is None:
             bs, end = self.block_size, start_block + len(hashes)
             blocks = [tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(start_block, end)]
-        self._report_stored(parent, hashes, blocks, new)
+        self._report_stored(parent, hashes, blocks, new, root)
 
     def _report_stored(
         self,
@@ -422,9 +450,11 @@ class BlockManager:
         hashes: list[BlockHash],
         tokens: list[tuple[int, ...]],
         new: set[BlockHash],
+        root: BlockHash | None = None,
     ) -> None:
         """Tell ``events`` of the runs of ``new`` blocks in ``hashes`` (a stretch of one chain
-        whose block before is ``parent``), each run chained to the block before it::
+        whose block before is ``parent``; ``root``: the chain's), each run chained to the
+        block before it::
 
             parent  hashes:  h0  h1  h2  h3        new = {h0, h1, h3}
             stored:         [h0  h1]    [h3]       parents: parent, h2
@@ -438,7 +468,9 @@ class BlockManager:
             j = i
             while j < end and hashes[j] in new:
                 j += 1
-            self.events.stored(hashes[i:j], hashes[i - 1] if i else parent, tokens[i:j])
+            before = hashes[i - 1] if i else parent
+            salt = self._salts.get(root, "") if before is None and root is not None else ""
+            self.events.stored(hashes[i:j], before, tokens[i:j], salt)
             i = j
 
 

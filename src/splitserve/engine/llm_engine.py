@@ -129,7 +129,7 @@ class LLMEngine:
             request_id=request_id,
             token_ids=list(prompt_token_ids),
             params=params,
-            root_hash=root_hash(self.model_id, salt),
+            root_hash=self._root(salt),
             eos_token_ids=self.eos_token_ids,
             arrival_time=time.monotonic(),
             keep_blocks=keep_blocks,
@@ -155,6 +155,12 @@ class LLMEngine:
 
     # ---- KV blocks in and out (disaggregation, tiers) ------------------------------------
 
+    def _root(self, salt: str) -> bytes:
+        """The root hash of ``salt``'s chains, named to the block manager (KV events)."""
+        root = root_hash(self.model_id, salt)
+        self.block_manager.note_salt(root, salt)
+        return root
+
     def block_hashes(self, token_ids: list[int], salt: str = "") -> list[bytes]:
         return hash_blocks(token_ids, root_hash(self.model_id, salt), self.config.block_size)
 
@@ -168,11 +174,16 @@ class LLMEngine:
         token_ids: list[int],
         start_block: int = 0,
         parent: bytes | None = None,
+        salt: str = "",
     ) -> None:
         """Publish reserved blocks that were filled from outside (a KV transfer) into the
         prefix cache; like blocks computed here, they are saved down the tier ladder.
-        ``parent``: the hash of block ``start_block - 1`` (None for block 0), for KV events."""
-        self.block_manager.register(block_ids, hashes, token_ids, start_block, parent=parent)
+        ``parent``: the hash of block ``start_block - 1`` (None for block 0), and ``salt``
+        the chain's, for KV events."""
+        root = self._root(salt)
+        self.block_manager.register(
+            block_ids, hashes, token_ids, start_block, parent=parent, root=root
+        )
         self.tiering.on_cached(list(zip(block_ids, hashes, strict=True)))
 
     def release_blocks(self, block_ids: list[int]) -> None:
@@ -197,7 +208,7 @@ class LLMEngine:
     def local_prefix(self, token_ids: list[int], salt: str = "") -> tuple[int, int]:
         """The leading reusable blocks of this prompt held here: ``(held, loading)``, in the
         device pool and now on their way up from lower tiers (this starts those loads)."""
-        held, loading = self.tiering.prefetch(token_ids, root_hash(self.model_id, salt))
+        held, loading = self.tiering.prefetch(token_ids, self._root(salt))
         self._start_copies()
         return held, loading
 

@@ -55,6 +55,7 @@ class BlockCopy:
     request_id: str | None = None  # the sequence a load is for (None: a prefetch)
     # A load's device prefix (the cached blocks it extends), kept from eviction meanwhile.
     prefix_ids: list[int] = field(default_factory=list)
+    root: BlockHash | None = None  # a load's chain's root hash (KV events name its salt)
 
 
 class Admission(enum.Enum):
@@ -164,7 +165,9 @@ class Tiering:
         if not hashes:
             seq.tier_checked = True
             return Admission.COMPUTE
-        copy = self._plan_load(seq.token_ids, hashes, match.block_ids, seq.request_id)
+        copy = self._plan_load(
+            seq.token_ids, hashes, match.block_ids, seq.request_id, seq.root_hash
+        )
         if copy is None:
             return Admission.WAIT
         # A load capped by the free blocks brings the rest in a later one, once it lands:
@@ -193,7 +196,7 @@ class Tiering:
         if self.lower is None:
             return held, 0
         below, _ = self._held_below(hashes[held:])
-        copy = self._plan_load(token_ids, below, prefix, None) if below else None
+        copy = self._plan_load(token_ids, below, prefix, None, root) if below else None
         return held, 0 if copy is None else len(copy.block_ids)
 
     def _held_below(self, hashes: list[BlockHash]) -> tuple[list[BlockHash], BlockHash | None]:
@@ -224,6 +227,7 @@ class Tiering:
         hashes: list[BlockHash],
         prefix_ids: list[int],
         request_id: str | None,
+        root: BlockHash | None = None,
     ) -> BlockCopy | None:
         """Reserve device blocks for ``hashes`` (the blocks of ``token_ids`` after the cached
         ``prefix_ids``), as many as are free now, and queue their load; None when no block is
@@ -238,7 +242,7 @@ class Tiering:
         bs, start = self.bm.block_size, len(prefix_ids)
         tokens = token_ids[start * bs : (start + len(hashes)) * bs]
         copy = BlockCopy(
-            next(self._ids), "load", block_ids, hashes, tokens, request_id, list(prefix_ids)
+            next(self._ids), "load", block_ids, hashes, tokens, request_id, list(prefix_ids), root
         )
         self._copies.append(copy)
         self.stats.loads += 1
@@ -281,7 +285,9 @@ class Tiering:
         self.bm.release(copy.block_ids[ok:])
         # The load starts right after its device prefix, which is held: its hash still stands.
         parent = self.bm.blocks[copy.prefix_ids[-1]].hash if copy.prefix_ids else None
-        self.bm.register(copy.block_ids[:ok], copy.hashes[:ok], copy.token_ids, parent=parent)
+        self.bm.register(
+            copy.block_ids[:ok], copy.hashes[:ok], copy.token_ids, parent=parent, root=copy.root
+        )
         self.bm.release(copy.prefix_ids)
         if ok < len(copy.block_ids) and copy.request_id in self.loading:
             self.loading[copy.request_id].tier_checked = True  # a miss: recompute from there

@@ -35,6 +35,7 @@ from splitserve.common.kv_events import (
     EventBatch,
     ExternalBlockHash,
     decode_message,
+    first_block_salt,
     subscribe,
 )
 from splitserve.common.kv_hash import BlockHash, block_hash, hash_blocks, root_hash
@@ -42,8 +43,16 @@ from splitserve.common.kv_hash import BlockHash, block_hash, hash_blocks, root_h
 log = logging.getLogger(__name__)
 
 # The router's names for token prefixes never leave the router, so one root serves every
-# worker and model: equal tokens mean equal blocks wherever they came from.
-ROOT = root_hash("splitserve-router-kv-index")
+# worker and model: equal tokens mean equal blocks wherever they came from. A salted chain
+# (a tenant's, a cache_salt's) has a root of its own: equal tokens of two tenants are two
+# blocks, as they are in the workers.
+_ROOT_NAME = "splitserve-router-kv-index"
+ROOT = root_hash(_ROOT_NAME)
+
+
+def chain_root(salt: str = "") -> BlockHash:
+    """The index's root for chains hashed with ``salt``."""
+    return root_hash(_ROOT_NAME, salt) if salt else ROOT
 
 
 @dataclass(slots=True)
@@ -81,7 +90,7 @@ class WorkerBlocks:
         """Index a stored run; False when its parent (or shape) is unknown."""
         bs, hashes, tokens = event.block_size, event.block_hashes, event.token_ids
         if event.parent_block_hash is None:
-            parent = ROOT
+            parent = chain_root(first_block_salt(event))
         else:
             known = self._ours.get(event.parent_block_hash)
             if known is None:
@@ -159,15 +168,20 @@ class KVIndex:
         """Drop what ``url`` holds and its sequence (it disconnected or restarted)."""
         self.workers.pop(url, None)
 
-    def prompt_hashes(self, token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    def prompt_hashes(
+        self, token_ids: Sequence[int], block_size: int, salt: str = ""
+    ) -> list[BlockHash]:
         """The router's hashes of the blocks a worker could reuse for this prompt: the full
         blocks but one holding the last token (a worker always computes that one)."""
         usable = (len(token_ids) - 1) // block_size
-        return hash_blocks(token_ids[: usable * block_size], ROOT, block_size)
+        return hash_blocks(token_ids[: usable * block_size], chain_root(salt), block_size)
 
-    def matches(self, urls: Sequence[str], token_ids: Sequence[int]) -> dict[str, int]:
-        """Per URL, how many of the prompt's leading tokens that worker holds (whole
-        blocks: what it would report as ``cached_tokens``); 0 for workers it knows nothing of."""
+    def matches(
+        self, urls: Sequence[str], token_ids: Sequence[int], salt: str = ""
+    ) -> dict[str, int]:
+        """Per URL, how many of the prompt's leading tokens, hashed with ``salt`` (the
+        request's KV salt), that worker holds (whole blocks: what it would report as
+        ``cached_tokens``); 0 for workers it knows nothing of."""
         out: dict[str, int] = {}
         hashes: dict[int, list[BlockHash]] = {}  # per block size, usually just one
         for url in urls:
@@ -177,7 +191,7 @@ class KVIndex:
                 continue
             bs = blocks.block_size
             if bs not in hashes:
-                hashes[bs] = self.prompt_hashes(token_ids, bs)
+                hashes[bs] = self.prompt_hashes(token_ids, bs, salt)
             out[url] = blocks.prefix(hashes[bs]) * bs
         return out
 

@@ -137,7 +137,7 @@ class Proxy:
         rewrite = self._salt_for_vllm(body, tenant) or bool(client_written)
         timeline.parsed = now()
         headers = self._forward_headers(client_headers)
-        placement = self._place(client_headers, body, timeline)
+        placement = self._place(client_headers, body, timeline, self._kv_salt(body, tenant))
         placement.tenant = tenant
         if admission is not None:
             admission.admit(placement.info.session_key)
@@ -242,8 +242,21 @@ class Proxy:
             lambda w: self._send(w, "GET", "/v1/models", None, headers, False, placement),
         )
 
+    def _kv_salt(self, body: dict[str, Any], tenant: str) -> str:
+        """The salt the workers hash this request's blocks with: what a builtin worker
+        derives from the signed tenant, or what ``_salt_for_vllm`` gave a vLLM one."""
+        own = body.get("cache_salt")
+        own = own if isinstance(own, str) else None
+        if self.config.worker_engine == "vllm":
+            return own or ""
+        return kv_salt(self.vouch.secret, tenant, own)
+
     def _place(
-        self, client_headers: Mapping[str, str], body: dict[str, Any], timeline: Timeline
+        self,
+        client_headers: Mapping[str, str],
+        body: dict[str, Any],
+        timeline: Timeline,
+        salt: str = "",
     ) -> Placement:
         key = session_key(client_headers, body, self.config.prefix_chars)
         info = RequestInfo(
@@ -251,6 +264,7 @@ class Proxy:
             prefix_key=prefix_key(body, self.config.prefix_chars),
             prompt_tokens=int(disagg.uncached_chars(body, False) / self.config.chars_per_token),
             prompt_token_ids=None if self.tokenizer is None else self.tokenizer.request_ids(body),
+            kv_salt=salt,
         )
         home = None
         if info.session_key is not None:
@@ -262,7 +276,8 @@ class Proxy:
         index = getattr(self.policies["decode"], "index", None)  # the kv-events policy's
         if index is None or not info.prompt_token_ids:
             return None
-        return worker.url, index.matches([worker.url], info.prompt_token_ids)[worker.url]
+        matched = index.matches([worker.url], info.prompt_token_ids, info.kv_salt)
+        return worker.url, matched[worker.url]
 
     def _pick(self, role: str, info: RequestInfo, excluded: list[str]) -> Worker | None:
         worker = self.policies[role].select_worker(self.membership.candidates(role, excluded), info)
@@ -526,9 +541,8 @@ class Proxy:
         out = {k: upstream.headers[k] for k in _PASSED_RESPONSE_HEADERS if k in upstream.headers}
         out["x-request-id"] = sent["x-request-id"]
         out[DECODE_HEADER] = worker.url
-        # The KV index matches token ids, blind to salts: what it predicts may be another
-        # tenant's blocks, so only the default tenant is told.
-        predicted = placement.predicted if placement.tenant == DEFAULT_TENANT else None
+        # Predicted from the request's own salted chain: only its tenant's blocks count.
+        predicted = placement.predicted
         if predicted is not None and predicted[0] == worker.url:
             out[PREDICTED_HEADER] = str(predicted[1])
         if placement.prefill is not None:

@@ -291,7 +291,9 @@ class DecodeSide:
         start = plan.load_indices[0]
         loaded = hashes[start : start + plan.num_blocks]
         parent = hashes[start - 1] if start else None
-        await self.calls.call_now(lambda e: e.register_blocks(dest, loaded, prompt, start, parent))
+        await self.calls.call_now(
+            lambda e: e.register_blocks(dest, loaded, prompt, start, parent, salt)
+        )
         self.metrics.kv_blocks_received.inc(pulled.num_blocks)
         self.metrics.kv_bytes_received.inc(pulled.nbytes)
         self.metrics.kv_transfer_seconds.observe(pulled.seconds)

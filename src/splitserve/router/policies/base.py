@@ -23,13 +23,15 @@ class RequestInfo:
     ``session_key`` names the conversation (decode placement), ``prefix_key`` the part of the
     prompt shared across conversations (prefill placement); either may be None.
     ``prompt_token_ids``: the prompt as the workers tokenize it, when the router tokenizes
-    (``router.prompt_tokens``, for the kv-events policy); else None.
+    (``router.prompt_tokens``, for the kv-events policy); else None. ``kv_salt``: the salt
+    the workers hash its blocks with (its tenant's, ``common.tenants.kv_salt``).
     """
 
     session_key: str | None = None
     prefix_key: str | None = None
     prompt_tokens: int = 0  # an estimate from the prompt's characters
     prompt_token_ids: Sequence[int] | None = None
+    kv_salt: str = ""
 
     # One per request: compiled (mypyc), a hand-written ``__init__`` is ~15x faster than
     # ``@dataclass``'s; a frozen class sets its fields through ``object.__setattr__``.
@@ -39,11 +41,13 @@ class RequestInfo:
         prefix_key: str | None = None,
         prompt_tokens: int = 0,
         prompt_token_ids: Sequence[int] | None = None,
+        kv_salt: str = "",
     ) -> None:
         object.__setattr__(self, "session_key", session_key)
         object.__setattr__(self, "prefix_key", prefix_key)
         object.__setattr__(self, "prompt_tokens", prompt_tokens)
         object.__setattr__(self, "prompt_token_ids", prompt_token_ids)
+        object.__setattr__(self, "kv_salt", kv_salt)
 
 
 class RoutingPolicy(ABC):
