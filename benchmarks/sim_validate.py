@@ -183,7 +183,8 @@ def print_rows(real, sims) -> None:
 
 # Below this share of requests meeting their SLOs (or with any left unfinished) a real run is
 # past saturation: its goodput is what is left of a collapse, and two runs of the same command
-# differ by up to 40% (docs/simulator.md, "A slower machine"), more than the 15% checked here.
+# differ by up to 40% (docs/journal/2026-12-02.md, "A slower machine"), more than the 15%
+# checked here.
 SATURATED_ATTAINMENT = 0.5
 
 

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The real runs behind docs/simulator.md's validation, in one sitting: a calibration of this
+# The real runs behind docs/simulator.md's validation, in one go: a calibration of this
 # machine, the serving CPU figures, the four-worker agentic compare, a collocated vs
 # disaggregated compare, and a second calibration. Quiet machine only (nothing else running):
 # the simulator is compared with these runs, and a busy machine moves them by 20-30%.
 #
-#   benchmarks/sim_validation_runs.sh docs/runs/2026-12-01      # ~20 minutes
-#   benchmarks/sim_validation_runs.sh docs/runs/2026-12-02c 0.2  # the agentic rate (default 0.35)
+#   benchmarks/sim_validation_runs.sh benchmarks/out/validate      # ~20 minutes (make bench-sim-validate)
+#   benchmarks/sim_validation_runs.sh benchmarks/out/validate 0.2  # the agentic rate (default 0.35)
 #
 # The agentic rate should keep the four workers below saturation: on a slower machine 0.35
-# sessions/s overloads them, and overloaded runs do not repeat (docs/simulator.md, "A slower
-# machine").
+# sessions/s overloads them, and overloaded runs do not repeat (docs/journal/2026-12-02.md, "A
+# slower machine").
 #
 # Every worker of both compares logs its engine steps under OUT/steps/{agentic,random}/; at the
 # end the runs' own steps are fitted too (`sim calibrate --from-steps`, the peaks and serving

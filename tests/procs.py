@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import ssl
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -17,6 +19,8 @@ from splitserve.common.tenants import DEFAULT_TENANT, TENANT_HEADER, sign
 
 __all__ = [
     "as_router",
+    "copy_checkout",
+    "env_for_checkout",
     "die_with_parent",
     "free_port",
     "metric",
@@ -105,3 +109,22 @@ def as_router(
         **kw.pop("headers", {}),
     }
     return httpx.post(f"{url}{path}", content=content, headers=headers, **kw)
+
+
+def copy_checkout(dest: Path) -> Path:
+    """The project's files (``src/``, ``pyproject.toml``, ``README.md``; no virtualenv, no
+    caches) copied to ``dest/splitserve``; returns that directory."""
+    root = Path(__file__).resolve().parents[1]
+    copy = dest / "splitserve"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".*")
+    shutil.copytree(root / "src", copy / "src", ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, copy / name)
+    return copy
+
+
+def env_for_checkout(copy: Path) -> dict[str, str]:
+    """This process's environment with ``copy``'s ``src`` first on the path and no
+    ``SPLITSERVE_TRACES_DIR``."""
+    env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_TRACES_DIR"}
+    return {**env, "PYTHONPATH": str(copy / "src")}

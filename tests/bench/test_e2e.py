@@ -4,9 +4,18 @@ holds every figure, and the client's counts agree with the server's own ``/metri
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
-from procs import metric, start_worker, stop_group, wait_healthy
+from procs import (
+    copy_checkout,
+    env_for_checkout,
+    metric,
+    start_worker,
+    stop_group,
+    wait_healthy,
+)
 
 from splitserve.bench.cli import workload_from_args
 from splitserve.bench.workloads import within
@@ -90,6 +99,23 @@ def test_trace_replay_reuses_exactly_the_traces_blocks(worker, tmp_path, capsys)
     assert [r["cached_tokens"] for r in reqs] == [0, 32, 16]
     assert [r["output_tokens"] for r in reqs] == [4, 4, 4]
     assert run["summary"]["server"]["cached_prompt_tokens"] == 48
+
+
+def test_the_shipped_mooncake_trace_replays_from_a_lone_copy(worker, tmp_path):
+    """``splitserve bench --workload mooncake`` run from a copy of the project in a directory
+    with nothing beside it: the trace is the one inside the package."""
+    copy = copy_checkout(tmp_path / "lone")
+    out = tmp_path / "run.json"
+    argv = [sys.executable, "-m", "splitserve.cli", "bench", "--url", worker]
+    argv += ["--workload", "mooncake", "--max-input-len", "128", "--rate", "4"]
+    argv += ["--duration", "0.5", "--drain", "60", "--no-progress", "--json", str(out)]
+    run = subprocess.run(
+        argv, env=env_for_checkout(copy), cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert "mooncake trace mooncake_conversation_trace.jsonl: 12031 requests" in run.stdout
+    (result,) = json.loads(out.read_text())
+    assert result["summary"]["completed"] >= 1 and result["summary"]["failed"] == 0
 
 
 def test_closed_loop_random(worker, tmp_path, capsys):

@@ -119,11 +119,9 @@ def test_missing_trace_is_a_clear_error(tmp_path, monkeypatch):
     assert load_trace("mooncake", "conversation").requests[0].input_length == 100
 
 
-@pytest.mark.skipif(
-    not (traces_dir() / "mooncake_conversation_trace.jsonl").is_file(),
-    reason="the shared Mooncake traces are not next to this checkout",
-)
-def test_the_shared_conversation_trace_replays():
+def test_the_shipped_conversation_trace_replays(monkeypatch):
+    monkeypatch.delenv("SPLITSERVE_TRACES_DIR", raising=False)
+    assert traces_dir().parts[-3:] == ("bench", "data", "traces")
     trace = load_trace("mooncake", "conversation")
     first = list(itertools.islice(trace.sessions(2.0), 200))
     assert len(first) == 200 and first[-1].arrival_s > 0

@@ -1,4 +1,8 @@
-"""``benchmarks/bench_repeatability.py``: two stored real runs of one command, side by side."""
+"""``benchmarks/bench_repeatability.py``: two stored real runs of one command, side by side.
+
+``tests/data/bench_repeatability/``: the fields the script reads from the ``--json`` of two
+real runs of one agentic ``bench compare`` command (2026-12-02, docs/journal/) and of a
+random one."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_repeatability.py"
-RUNS = ROOT / "docs" / "runs" / "2026-12-02b"
+RUNS = ROOT / "tests" / "data" / "bench_repeatability"
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -18,7 +22,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_each_run_is_shown_with_its_ratio_to_the_first():
-    out = run(str(RUNS / "agentic-w4.json"), str(RUNS / "agentic-w4-rate0.35-repeat.json"))
+    out = run(str(RUNS / "agentic-w4.json"), str(RUNS / "agentic-w4-repeat.json"))
     assert out.returncode == 0, out.stderr
     rows = [line.split(" | ") for line in out.stdout.splitlines() if "rate 0.35/s" in line]
     by_run = {(r[0].strip("| "), r[2]): r for r in rows}

@@ -27,6 +27,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -49,12 +50,12 @@ _BLOCKS, _UNSHARED, _OUTPUTS = 3, 4, 5  # random streams of one seed
 
 
 def traces_dir() -> Path:
-    """``$SPLITSERVE_TRACES_DIR``, else ``shared/traces`` next to the repository root."""
+    """``$SPLITSERVE_TRACES_DIR``, else the traces shipped in the package
+    (``splitserve/bench/data/traces``: the Mooncake FAST'25 traces and their license)."""
     env = os.environ.get("SPLITSERVE_TRACES_DIR")
     if env:
         return Path(env)
-    repo_root = Path(__file__).resolve().parents[3]
-    return repo_root.parent / "shared" / "traces"
+    return Path(str(resources.files("splitserve.bench").joinpath("data", "traces")))
 
 
 def resolve_trace(name: str) -> Path:
