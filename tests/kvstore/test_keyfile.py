@@ -25,8 +25,10 @@ def test_generate_writes_one_current_key_mode_600(tmp_path):
     path = generate_key(tmp_path / "kv.key")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     ring = load_keyring(path)
-    assert list(ring.keys) == [ring.current] and len(ring.keys[ring.current]) == 32
+    assert list(ring.keys) == [ring.current] and ring.keys[ring.current] == path.read_bytes()
+    add_key(path)
     doc = json.loads(path.read_text())
+    ring = load_keyring(path)
     assert doc["current"] == ring.current.hex() == key_id(ring.keys[ring.current]).hex()
     with pytest.raises(ValueError, match="already exists"):
         generate_key(path)

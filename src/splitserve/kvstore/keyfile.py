@@ -1,16 +1,16 @@
-"""Key files for encrypting the KV tiers (AES-256-GCM): what `splitserve keygen` writes.
+"""Key files for encrypting the KV tiers (AES-256-GCM), mode 600, in two formats.
 
-A key file holds one or more 256-bit keys, one of them current (JSON, mode 600)::
+One key: its 32 raw bytes (what ``splitserve keygen`` writes). Several keys, one of them
+current (what ``splitserve kv rotate`` turns a key file into)::
 
     {"splitserve_kv_keys": 1,
      "current": "<key id, 16 hex digits>",
      "keys": {"<key id>": "<key, 64 hex digits>", ...}}
 
 New blocks are sealed with the current key; a block sealed with another key of the file
-stays readable; a block whose key has left the file is a miss. A file of exactly 32 raw
-bytes (the one-key format) reads as a ring of that one key. ``splitserve kv rotate`` adds a
-key and makes it current, ``splitserve kv reencrypt`` re-seals the disk tier under it, and
-``splitserve kv drop-key`` then removes the old one.
+stays readable; a block whose key has left the file is a miss. ``splitserve kv rotate``
+adds a key and makes it current, ``splitserve kv reencrypt`` re-seals the disk tier under
+it, and ``splitserve kv drop-key`` then removes the old one.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ FORMAT_VERSION = 1
 
 
 def generate_key(path: str | Path) -> Path:
-    """Write a new key file of one random key to ``path`` (mode 0600); refuses to overwrite."""
+    """Write a new random key to ``path`` (one key, mode 0600); refuses to overwrite."""
     path = Path(path)
     try:
         # O_EXCL: never clobber a key that encrypts existing blocks; the mode is set at
@@ -37,7 +37,7 @@ def generate_key(path: str | Path) -> Path:
     except FileExistsError:
         raise ValueError(f"key file {path} already exists; refusing to overwrite it") from None
     with os.fdopen(fd, "wb") as f:
-        f.write(_encode(KeyRing.of(secrets.token_bytes(KEY_BYTES))))
+        f.write(secrets.token_bytes(KEY_BYTES))
     return path
 
 
