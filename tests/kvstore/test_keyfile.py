@@ -8,6 +8,7 @@ import stat
 
 import pytest
 
+from splitserve.cli import build_parser, serve_worker_args
 from splitserve.cli import main as cli_main
 from splitserve.kvstore import add_key, drop_key, generate_key, load_keyring
 from splitserve.kvstore.keyring import KeyRing, SealError, key_id
@@ -132,3 +133,13 @@ def test_reencrypt_of_a_missing_directory_is_a_one_line_error(capsys, tmp_path):
     key = str(generate_key(tmp_path / "kv.key"))
     argv = ["kv", "reencrypt", str(tmp_path / "nope"), "--kv-encryption-key-file", key]
     assert "is not a directory" in one_line_error(capsys, argv)
+
+
+def test_serve_passes_host_kv_encrypt_to_its_workers(tmp_path):
+    key = str(generate_key(tmp_path / "kv.key"))
+    tiers = ["--host-kv-gb", "1", "--host-kv-encrypt", "--kv-encryption-key-file", key]
+    passed = serve_worker_args(build_parser().parse_args(["serve", *tiers]))
+    worker = build_parser().parse_args(["worker", *passed])
+    assert worker.host_kv_encrypt and worker.kv_encryption_key_file == key
+    plain = serve_worker_args(build_parser().parse_args(["serve", "--host-kv-gb", "1"]))
+    assert not build_parser().parse_args(["worker", *plain]).host_kv_encrypt
