@@ -59,7 +59,6 @@ _HEADER = struct.Struct(f"<4sHH16s16s16sB{MAX_NDIM}QQ{KEY_ID_BYTES}s{NONCE_BYTES
 _CHECKSUM = struct.Struct("<Q")
 PREFIX_BYTES = _HEADER.size + _CHECKSUM.size
 SUFFIX = ".kvb"
-LOCK_NAME = ".lock"
 
 
 class BlockFileError(Exception):
@@ -177,8 +176,11 @@ class DiskTier(KVTier):
     Capacity counts whole files (header included). The index lives in memory and is rebuilt
     from the directory when the tier is opened; files that do not parse, belong to another
     model or disagree with the key configuration are deleted then. Checksums and decryption
-    are checked on read, where any failure is a miss that deletes the file. Evicted blocks
-    are deleted, not reported: disk is the last tier.
+    are checked on read, where any failure (a block sealed with a key the ring lacks too) is
+    a miss that deletes the file. Evicted blocks are deleted, not reported: disk is the last
+    tier. ``key``: a raw key or a ``KeyRing`` (new files are sealed with its current key).
+    While open the tier holds a shared lock on the directory, which re-sealing (``reseal``)
+    needs exclusively.
     """
 
     def __init__(
@@ -201,7 +203,7 @@ class DiskTier(KVTier):
         self._bytes_used = 0
         self._lock = threading.Lock()
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._dir_lock = hold_directory(self.directory, exclusive=False)
+        self._dir_lock = DirectoryLock(self.directory, exclusive=False)
         self._scan()
 
     def close(self) -> None:
@@ -350,19 +352,36 @@ class DiskTier(KVTier):
             return TierUsage(self._bytes_used, self.capacity_bytes, len(self._index))
 
 
-def hold_directory(directory: Path, exclusive: bool):
-    """An open lock file on ``directory``: shared for a disk tier (several may read one
-    directory), exclusive for re-sealing, which refuses a directory a worker holds."""
-    f = open(directory / LOCK_NAME, "a+b")  # noqa: SIM115 - held until closed
-    try:
-        if exclusive:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        else:
-            fcntl.flock(f, fcntl.LOCK_SH)  # waits out a re-seal under way
-    except BaseException:
-        f.close()
-        raise
-    return f
+class DirectoryLock:
+    """An ``flock`` on a directory itself (no file of its own in it): shared for a disk tier
+    (several may open one directory), exclusive for re-sealing, which fails at once while
+    any tier holds it. Released by ``close``, or when the object or its process goes."""
+
+    _fd = -1  # set only once the lock is held: ``close`` never closes another's fd
+
+    def __init__(self, directory: Path, exclusive: bool) -> None:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            # Shared: waits out a re-seal under way; exclusive: never waits.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __enter__(self) -> DirectoryLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def write_atomic(path: Path, raw: bytes, fsync: bool, mode: int = 0o666) -> None:

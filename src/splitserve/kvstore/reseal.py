@@ -21,7 +21,7 @@ from splitserve.kvstore.disk import (
     PREFIX_BYTES,
     SUFFIX,
     BlockFileError,
-    hold_directory,
+    DirectoryLock,
     open_body,
     pack_file,
     parse_file,
@@ -48,7 +48,7 @@ def reseal_directory(directory: str | Path, ring: KeyRing) -> ResealReport:
     if not directory.is_dir():
         raise ValueError(f"{directory} is not a directory")
     try:
-        lock = hold_directory(directory, exclusive=True)
+        lock = DirectoryLock(directory, exclusive=True)
     except BlockingIOError:
         raise ValueError(
             f"{directory} is in use by a running worker; stop it first (it writes under "
