@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S as DEFAULT_PEER_TIMEOUT_S
 from splitserve.common.tenant_args import read_secret
@@ -146,11 +147,16 @@ def cmd_kv_rotate(args: argparse.Namespace) -> int:
 
 def cmd_kv_reencrypt(args: argparse.Namespace) -> int:
     from splitserve.kvstore import load_keyring
-    from splitserve.kvstore.reseal import reseal_directory
+    from splitserve.kvstore.reseal import ResealReport, reseal_directory
 
     ring = load_keyring(args.kv_encryption_key_file)
     for directory in args.directory:
         r = reseal_directory(directory, ring)
+        if r == ResealReport() and any(Path(directory).glob("*/[0-9a-f][0-9a-f]/*.kvb")):
+            raise ValueError(
+                f"{directory} holds no block files, its subdirectories do (serve gives each "
+                "pool worker its own): name those"
+            )
         print(
             f"{directory}: {r.resealed} blocks re-sealed with key {ring.current.hex()}, "
             f"{r.already_current} already were, {r.missing_key} sealed with keys not in the "

@@ -10,7 +10,7 @@ import pytest
 
 from splitserve.cli import build_parser, serve_worker_args
 from splitserve.cli import main as cli_main
-from splitserve.kvstore import add_key, drop_key, generate_key, load_keyring
+from splitserve.kvstore import DiskTier, add_key, drop_key, generate_key, load_keyring
 from splitserve.kvstore.keyring import KeyRing, SealError, key_id
 
 
@@ -129,10 +129,15 @@ def test_kv_commands_rotate_list_and_drop(capsys, tmp_path):
     assert list(load_keyring(path).keys) == [bytes.fromhex(new)]
 
 
-def test_reencrypt_of_a_missing_directory_is_a_one_line_error(capsys, tmp_path):
+def test_reencrypt_of_a_missing_or_parent_directory_is_a_one_line_error(capsys, tmp_path):
     key = str(generate_key(tmp_path / "kv.key"))
     argv = ["kv", "reencrypt", str(tmp_path / "nope"), "--kv-encryption-key-file", key]
     assert "is not a directory" in one_line_error(capsys, argv)
+    DiskTier(tmp_path / "kv" / "decode-0", 1 << 20, "m").put(bytes(16), b"x")
+    argv[2] = str(tmp_path / "kv")  # serve's --disk-kv-dir: a directory per pool worker
+    assert "its subdirectories do" in one_line_error(capsys, argv)
+    argv[2] = str(tmp_path / "kv" / "decode-0")
+    assert cli_main(argv) == 0 and "1 blocks re-sealed" in capsys.readouterr().out
 
 
 def test_serve_passes_host_kv_encrypt_to_its_workers(tmp_path):
