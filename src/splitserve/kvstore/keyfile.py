@@ -21,6 +21,7 @@ import secrets
 import stat
 from pathlib import Path
 
+from splitserve.kvstore.disk import write_atomic
 from splitserve.kvstore.keyring import KEY_BYTES, KEY_ID_BYTES, KeyRing, key_id
 
 FORMAT = "splitserve_kv_keys"
@@ -89,8 +90,6 @@ def drop_key(path: str | Path, kid_hex: str) -> None:
 
 def save_keyring(path: str | Path, ring: KeyRing) -> None:
     """Replace the key file atomically, mode 0600 from its creation on."""
-    from splitserve.kvstore.disk import write_atomic
-
     write_atomic(Path(path), _encode(ring), fsync=True, mode=0o600)
 
 
