@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from procs import metric, start_worker, stop_group, wait_healthy  # noqa: E402
 
-from splitserve.kvstore import DiskTier, generate_key, load_key  # noqa: E402
+from splitserve.kvstore import DiskTier, KeyRing, generate_key, load_keyring  # noqa: E402
 
 BS = 16
 BLOCK_BYTES = 2 * 30 * 3 * 64 * 4 * BS  # the default model's KV block, float32
@@ -173,7 +173,7 @@ def raw_read_gbps(path: Path) -> float:
     return path.stat().st_size / (time.perf_counter() - start) / 1e9
 
 
-def tier_load_gbps(directory: Path, key: bytes | None, n: int) -> float:
+def tier_load_gbps(directory: Path, key: KeyRing | None, n: int) -> float:
     rng = np.random.default_rng(0)
     tier = DiskTier(directory, (n + 1) * (BLOCK_BYTES + 4096), "bench-model", key=key)
     hashes = [rng.bytes(16) for _ in range(n)]
@@ -194,7 +194,7 @@ def bandwidth(tmp: Path) -> dict:
         os.fsync(f.fileno())
     out = {"blocks": n, "raw_gbps": raw_read_gbps(raw)}
     out["plain_gbps"] = tier_load_gbps(tmp / "bw-plain", None, n)
-    key = load_key(generate_key(tmp / "bw-key"))
+    key = load_keyring(generate_key(tmp / "bw-key"))
     out["aes_gbps"] = tier_load_gbps(tmp / "bw-aes", key, n)
     out["raw_again_gbps"] = raw_read_gbps(raw)  # the peer, measured on both sides of the tier
     return out

@@ -8,6 +8,7 @@ import sys
 
 from splitserve.bench.cli import add_bench_parser
 from splitserve.cli_kv import (
+    add_kv_parser,
     add_kv_tier_args,
     add_kv_transfer_args,
     cmd_keygen,
@@ -377,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen = sub.add_parser("keygen", help="write a new key for --kv-encryption-key-file")
     keygen.add_argument("path", help="where to write the key (refuses to overwrite)")
     keygen.set_defaults(func=cmd_keygen)
+    add_kv_parser(sub)
     add_router_parser(sub)
     add_bench_parser(sub)
     add_sim_parser(sub)

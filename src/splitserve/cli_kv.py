@@ -1,9 +1,11 @@
 """The worker's KV flags (tiers, transfers, peer fetch), shared by ``splitserve worker`` and
-``splitserve serve``, and the configs they make; ``splitserve keygen``."""
+``splitserve serve``, and the configs they make; ``splitserve keygen`` and ``splitserve kv``
+(key rotation: ``keys``, ``rotate``, ``reencrypt``, ``drop-key``)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S as DEFAULT_PEER_TIMEOUT_S
 from splitserve.common.tenant_args import read_secret
@@ -14,6 +16,7 @@ TIER_FLAGS = (
     ("--disk-kv-dir", "disk_kv_dir"),
     ("--disk-kv-gb", "disk_kv_gb"),
     ("--kv-encryption-key-file", "encryption_key_file"),
+    ("--host-kv-encrypt", "host_kv_encrypt"),
     ("--kv-retention-ttl-s", "retention_ttl_s"),
     ("--kv-retention-max-ttl-s", "retention_max_ttl_s"),
     ("--kv-retention-quota", "retention_quota"),
@@ -31,6 +34,11 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-kv-gb", type=float, default=d.disk_kv_gb, help="disk KV tier size")
     g.add_argument(
         "--kv-encryption-key-file", default=None, help="encrypt the disk tier (splitserve keygen)"
+    )
+    g.add_argument(
+        "--host-kv-encrypt",
+        action="store_true",
+        help="seal the host-RAM tier's blocks too, with the same key file",
     )
     g.add_argument(
         "--kv-retention-ttl-s",
@@ -61,11 +69,11 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
 def tier_config(args: argparse.Namespace):
     """The tier flags as a config; a bad key file fails here, before the model loads."""
     from splitserve.config import KVTierConfig
-    from splitserve.kvstore import load_key
+    from splitserve.kvstore import load_keyring
 
     cfg = KVTierConfig(**{field: getattr(args, field_of(flag)) for flag, field in TIER_FLAGS})
     if cfg.encryption_key_file is not None:
-        load_key(cfg.encryption_key_file)
+        load_keyring(cfg.encryption_key_file)
     return cfg
 
 
@@ -78,7 +86,9 @@ def tier_worker_args(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     for flag, _ in TIER_FLAGS:
         value = getattr(args, field_of(flag))
-        if value is not None:
+        if value is True:
+            out.append(flag)
+        elif value is not None and value is not False:
             out += [flag, str(value)]
     return out
 
@@ -91,6 +101,75 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     except OSError as e:
         raise ValueError(f"cannot write the key file {args.path}: {e.strerror}") from e
     print(f"wrote a new 256-bit KV encryption key to {path} (mode 600)")
+    return 0
+
+
+def add_kv_parser(sub) -> None:
+    """``splitserve kv``: the key file's keys, rotation and re-sealing (docs/security.md)."""
+    kv = sub.add_parser("kv", help="KV encryption keys: list, rotate, re-encrypt, drop")
+    acts = kv.add_subparsers(dest="kv_command", required=True)
+    keys = acts.add_parser("keys", help="list a key file's key ids (the current one marked)")
+    keys.add_argument("key_file")
+    keys.set_defaults(func=cmd_kv_keys)
+    rotate = acts.add_parser("rotate", help="add a new key to a key file and make it current")
+    rotate.add_argument("key_file")
+    rotate.set_defaults(func=cmd_kv_rotate)
+    reseal = acts.add_parser(
+        "reencrypt",
+        help="re-seal disk tier directories under the key file's current key "
+        "(refused while a worker uses a directory)",
+    )
+    reseal.add_argument("directory", nargs="+", help="a --disk-kv-dir (of each pool worker)")
+    reseal.add_argument("--kv-encryption-key-file", required=True, metavar="FILE")
+    reseal.set_defaults(func=cmd_kv_reencrypt)
+    drop = acts.add_parser("drop-key", help="remove a key that is not current from a key file")
+    drop.add_argument("key_file")
+    drop.add_argument("key_id", help="16 hex digits, as `splitserve kv keys` lists them")
+    drop.set_defaults(func=cmd_kv_drop_key)
+
+
+def cmd_kv_keys(args: argparse.Namespace) -> int:
+    from splitserve.kvstore import load_keyring
+
+    ring = load_keyring(args.key_file)
+    for kid in ring.keys:
+        print(f"{kid.hex()}{'  current' if kid == ring.current else ''}")
+    return 0
+
+
+def cmd_kv_rotate(args: argparse.Namespace) -> int:
+    from splitserve.kvstore import add_key
+
+    kid = add_key(args.key_file)
+    print(f"added key {kid.hex()} to {args.key_file}; new blocks are sealed with it")
+    return 0
+
+
+def cmd_kv_reencrypt(args: argparse.Namespace) -> int:
+    from splitserve.kvstore import load_keyring
+    from splitserve.kvstore.reseal import ResealReport, reseal_directory
+
+    ring = load_keyring(args.kv_encryption_key_file)
+    for directory in args.directory:
+        r = reseal_directory(directory, ring)
+        if r == ResealReport() and any(Path(directory).glob("*/[0-9a-f][0-9a-f]/*.kvb")):
+            raise ValueError(
+                f"{directory} holds no block files, its subdirectories do (serve gives each "
+                "pool worker its own): name those"
+            )
+        print(
+            f"{directory}: {r.resealed} blocks re-sealed with key {ring.current.hex()}, "
+            f"{r.already_current} already were, {r.missing_key} sealed with keys not in the "
+            f"key file and {r.unreadable} unreadable left as they are (misses)"
+        )
+    return 0
+
+
+def cmd_kv_drop_key(args: argparse.Namespace) -> int:
+    from splitserve.kvstore import drop_key
+
+    drop_key(args.key_file, args.key_id)
+    print(f"dropped key {args.key_id} from {args.key_file}; blocks it sealed are now misses")
     return 0
 
 

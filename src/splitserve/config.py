@@ -22,6 +22,7 @@ class KVTierConfig:
     disk_kv_dir: str | None = None
     disk_kv_gb: float = 10.0
     encryption_key_file: str | None = None
+    host_kv_encrypt: bool = False  # seal the host tier's blocks too (needs the key file)
     write_through: bool = True  # also persist completed blocks to disk, not only evictions
     retention_ttl_s: float = 30.0  # pin TTL after a finish in tool calls, or kv_retention {}
     retention_max_ttl_s: float = 3600.0  # the most a request may ask for
@@ -36,8 +37,13 @@ class KVTierConfig:
         for name in ("retention_quota", "retention_max_pinned"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be a fraction in [0, 1], got {getattr(self, name)}")
-        if self.encryption_key_file is not None and self.disk_kv_dir is None:
-            raise ValueError("an encryption key file needs a disk tier (disk_kv_dir)")
+        if self.host_kv_encrypt and (self.encryption_key_file is None or self.host_kv_gb <= 0):
+            raise ValueError(
+                "--host-kv-encrypt needs --host-kv-gb and --kv-encryption-key-file "
+                "(splitserve keygen PATH writes one)"
+            )
+        if self.encryption_key_file is not None and not (self.disk_kv_dir or self.host_kv_encrypt):
+            raise ValueError("an encryption key file needs a disk tier or --host-kv-encrypt")
 
     @property
     def enabled(self) -> bool:

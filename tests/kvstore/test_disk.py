@@ -1,14 +1,15 @@
 from __future__ import annotations
 
 import os
-import stat
 
 import numpy as np
 import pytest
 
 from splitserve.common.kv_hash import hash_blocks, root_hash
-from splitserve.kvstore import DiskTier, generate_key, load_key
+from splitserve.kvstore import DiskTier, KeyRing
 from splitserve.kvstore.disk import PREFIX_BYTES
+from splitserve.kvstore.keyring import key_id
+from splitserve.kvstore.reseal import reseal_directory
 
 HASHES = hash_blocks(list(range(16 * 8)), root_hash("test-model"))
 KEY = bytes(range(32))
@@ -147,23 +148,86 @@ def test_bad_key_length_is_rejected(tmp_path):
         DiskTier(tmp_path, 100, "m", key=b"short")
 
 
-def test_generate_and_load_key(tmp_path):
-    path = generate_key(tmp_path / "kv.key")
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert len(load_key(path)) == 32
-    with pytest.raises(ValueError, match="already exists"):
-        generate_key(path)
+# -- key rotation ------------------------------------------------------------------------
+
+KEY_B = bytes([7]) * 32
 
 
-@pytest.mark.parametrize(
-    ("content", "mode", "match"),
-    [(None, 0o600, "does not exist"), (b"x" * 31, 0o600, "expected 32"),
-     (b"x" * 32, 0o644, "accessible by others")],
-)  # fmt: skip
-def test_load_key_errors(tmp_path, content, mode, match):
-    path = tmp_path / "kv.key"
-    if content is not None:
-        path.write_bytes(content)
-        path.chmod(mode)
-    with pytest.raises(ValueError, match=match):
-        load_key(path)
+def key_id_of(path) -> bytes:
+    from splitserve.kvstore.disk import _Header
+
+    return _Header.unpack(path.read_bytes()[: PREFIX_BYTES - 8]).key_id
+
+
+def test_blocks_carry_their_key_id_and_old_keys_stay_readable(tmp_path):
+    a = DiskTier(tmp_path, 1 << 20, "m", key=KEY)
+    a.put(HASHES[0], payload(1))
+    a.close()
+    rotated = DiskTier(tmp_path, 1 << 20, "m", key=KeyRing.of(KEY_B, KEY))
+    assert rotated.get(HASHES[0]) == payload(1)  # sealed with the old key: still a hit
+    rotated.put(HASHES[1], payload(2))  # new writes: the current key
+    assert key_id_of(rotated._path(HASHES[0])) == key_id(KEY)
+    assert key_id_of(rotated._path(HASHES[1])) == key_id(KEY_B)
+
+
+def test_reseal_then_drop_the_old_key(tmp_path):
+    a = DiskTier(tmp_path, 1 << 20, "m", key=KEY)
+    for i in range(3):
+        a.put(HASHES[i], payload(i))
+    a.close()
+    ring = KeyRing.of(KEY_B, KEY)
+    report = reseal_directory(tmp_path, ring)
+    assert (report.resealed, report.already_current, report.missing_key) == (3, 0, 0)
+    assert reseal_directory(tmp_path, ring).already_current == 3
+    only_b = DiskTier(tmp_path, 1 << 20, "m", key=KEY_B)
+    assert [only_b.get(h) for h in HASHES[:3]] == [payload(i) for i in range(3)]
+    assert sorted(p.stat().st_size for p in block_files(tmp_path)) == [FILE + 16] * 3
+
+
+def test_reseal_keeps_access_times(tmp_path):
+    a = DiskTier(tmp_path, 1 << 20, "m", key=KEY)
+    a.put(HASHES[0], payload(1))
+    os.utime(a._path(HASHES[0]), (1234, 1234))
+    a.close()
+    reseal_directory(tmp_path, KeyRing.of(KEY_B, KEY))
+    assert os.stat(block_files(tmp_path)[0]).st_mtime == 1234
+
+
+def test_reseal_seals_plaintext_and_leaves_blocks_of_missing_keys(tmp_path):
+    DiskTier(tmp_path / "p", 1 << 20, "m").put(HASHES[0], payload(1))
+    report = reseal_directory(tmp_path / "p", KeyRing.of(KEY_B))
+    assert report.resealed == 1
+    assert DiskTier(tmp_path / "p", 1 << 20, "m", key=KEY_B).get(HASHES[0]) == payload(1)
+    DiskTier(tmp_path / "q", 1 << 20, "m", key=KEY).put(HASHES[0], payload(1))
+    report = reseal_directory(tmp_path / "q", KeyRing.of(KEY_B))
+    assert (report.resealed, report.missing_key) == (0, 1)
+
+
+def test_block_whose_key_left_the_file_is_a_miss_not_a_crash(tmp_path):
+    a = DiskTier(tmp_path, 1 << 20, "m", key=KEY)
+    a.put(HASHES[0], payload(1))
+    a.close()
+    only_b = DiskTier(tmp_path, 1 << 20, "m", key=KEY_B)
+    assert only_b.load(HASHES[0]) is None
+    assert only_b.stats.decrypt_failures == 1 and not block_files(tmp_path)
+
+
+def test_reseal_refuses_a_directory_a_worker_holds(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20, "m", key=KEY)
+    tier.put(HASHES[0], payload(1))
+    with pytest.raises(ValueError, match="in use by a running worker"):
+        reseal_directory(tmp_path, KeyRing.of(KEY_B, KEY))
+    assert key_id_of(tier._path(HASHES[0])) == key_id(KEY)
+    tier.close()
+    assert reseal_directory(tmp_path, KeyRing.of(KEY_B, KEY)).resealed == 1
+
+
+def test_block_files_of_the_keyless_format_are_dropped_at_the_scan(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20, "m")
+    tier.put(HASHES[0], payload(1))
+    path = tier._path(HASHES[0])
+    raw = bytearray(path.read_bytes())
+    raw[4:6] = (1).to_bytes(2, "little")  # format version 1
+    path.write_bytes(bytes(raw))
+    reopened = DiskTier(tmp_path, 1 << 20, "m")
+    assert reopened.usage().blocks == 0 and reopened.stats.dropped_at_scan == 1

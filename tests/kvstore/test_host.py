@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from splitserve.common.kv_hash import hash_blocks, root_hash
-from splitserve.kvstore import BlockMeta, HostTier, TierUsage
+from splitserve.kvstore import BlockMeta, HostTier, KeyRing, TierUsage
+from splitserve.kvstore.keyring import key_id
 
 HASHES = hash_blocks(list(range(16 * 8)), root_hash("test-model"))
 
@@ -58,3 +59,64 @@ def test_evict_and_contains():
     assert tier.contains(HASHES[0])
     assert tier.evict(HASHES[0]) and not tier.evict(HASHES[0])
     assert not tier.contains(HASHES[0]) and tier.usage() == TierUsage(0, 100, 0)
+
+
+# -- the encrypted host tier ---------------------------------------------------------------
+
+KEY_A, KEY_B = bytes(range(32)), bytes([7]) * 32
+
+
+def held_bytes(tier: HostTier) -> list[bytes]:
+    """What the tier keeps in RAM per block."""
+    return [entry.data for entry in tier._blocks.values()]
+
+
+def test_encrypted_roundtrip_holds_no_plaintext_in_ram():
+    arr = np.random.default_rng(0).standard_normal((2, 4, 16)).astype(np.float32)
+    tier = HostTier(1 << 20, keyring=KeyRing.of(KEY_A))
+    assert tier.put(HASHES[0], arr)
+    np.testing.assert_array_equal(tier.load(HASHES[0]).to_numpy(), arr)
+    (held,) = held_bytes(tier)
+    plain = arr.tobytes()
+    assert len(held) == len(plain) + 16 and held != plain
+    assert not any(plain[i : i + 16] in held for i in range(0, len(plain), 64))
+    assert tier.usage() == TierUsage(len(plain) + 16, 1 << 20, 1)
+
+
+def test_two_seals_of_one_block_differ():
+    a, b = (HostTier(1 << 20, keyring=KeyRing.of(KEY_A)) for _ in range(2))
+    a.put(HASHES[0], bytes(100))
+    b.put(HASHES[0], bytes(100))
+    assert held_bytes(a) != held_bytes(b)
+
+
+def test_evicted_blocks_reach_the_listener_as_plaintext():
+    evicted: list = []
+    tier = HostTier(2 * 116, on_evict=evicted.extend, keyring=KeyRing.of(KEY_A))
+    for i in range(3):
+        tier.put(HASHES[i], bytes([i]) * 100)
+    assert [(h, b.data, b.meta) for h, b in evicted] == [
+        (HASHES[0], bytes(100), BlockMeta("|u1", (100,)))
+    ]
+
+
+def test_blocks_of_an_old_key_open_and_new_ones_use_the_current_key():
+    tier = HostTier(1 << 20, keyring=KeyRing.of(KEY_A))
+    tier.put(HASHES[0], b"a" * 100)
+    tier.keyring = KeyRing.of(KEY_B, KEY_A)  # a rotated ring
+    tier.put(HASHES[1], b"b" * 100)
+    assert [e.key_id for e in tier._blocks.values()] == [key_id(KEY_A), key_id(KEY_B)]
+    assert tier.get(HASHES[0]) == b"a" * 100 and tier.get(HASHES[1]) == b"b" * 100
+
+
+def test_missing_key_or_tampered_block_is_a_miss_that_drops_it():
+    tier = HostTier(1 << 20, keyring=KeyRing.of(KEY_A))
+    tier.put(HASHES[0], b"a" * 100)
+    tier.put(HASHES[1], b"b" * 100)
+    entry = tier._blocks[HASHES[1]]
+    tier._blocks[HASHES[1]] = entry._replace(meta=BlockMeta("|u1", (50, 2)))  # not what it sealed
+    tier.keyring = KeyRing.of(KEY_B, KEY_A)
+    assert tier.get(HASHES[1]) is None
+    tier.keyring = KeyRing.of(KEY_B)
+    assert tier.get(HASHES[0]) is None
+    assert tier.decrypt_failures == 2 and tier.usage().blocks == 0

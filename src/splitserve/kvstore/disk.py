@@ -4,7 +4,8 @@ File layout (little-endian)::
 
     +-------------------------------- header (AES-GCM associated data) -------------------+
     | magic "SSKV" | version u16 | flags u16 | model-id hash 16B | block hash 16B |       |
-    | dtype 16B (ASCII, NUL-padded) | ndim u8 | shape 8 x u64 | body length u64 | nonce 12B |
+    | dtype 16B (ASCII, NUL-padded) | ndim u8 | shape 8 x u64 | body length u64 |         |
+    | key id 8B (zeros: plaintext) | nonce 12B                                            |
     +----------------------------------------------------------------------------------------+
     | checksum u64: xxh3_64(header || body)                                                |
     | body: payload, or AES-GCM(payload) + 16-byte tag when a key is configured            |
@@ -12,11 +13,14 @@ File layout (little-endian)::
 
 The checksum covers the stored bytes, so a flipped byte is caught (and counted) before any
 decryption; with a key, AES-GCM also authenticates the header, so a block cannot be moved
-to another hash or model without the key.
+to another hash or model, or claim another key, without the key. The key id names the key
+of the key file (``keyfile``) that sealed the block; re-sealing (``reseal``) changes only
+the key id, the nonce, the checksum and the body, never the file's size.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
 import threading
@@ -27,8 +31,6 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from splitserve.kvstore.base import (
     MAX_NDIM,
@@ -39,25 +41,34 @@ from splitserve.kvstore.base import (
     TierUsage,
     to_block,
 )
-from splitserve.kvstore.keyfile import KEY_BYTES
+from splitserve.kvstore.keyring import (
+    KEY_ID_BYTES,
+    NO_KEY,
+    NONCE_BYTES,
+    TAG_BYTES,
+    KeyRing,
+    SealError,
+    new_nonce,
+)
 
 MAGIC = b"SSKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: no key id; such files are dropped at the scan (and recomputed)
 FLAG_ENCRYPTED = 1
 HASH_BYTES = 16  # xxh3-128, as common.kv_hash produces
-NONCE_BYTES = 12
-_HEADER = struct.Struct(f"<4sHH16s16s16sB{MAX_NDIM}QQ{NONCE_BYTES}s")
+_HEADER = struct.Struct(f"<4sHH16s16s16sB{MAX_NDIM}QQ{KEY_ID_BYTES}s{NONCE_BYTES}s")
 _CHECKSUM = struct.Struct("<Q")
 PREFIX_BYTES = _HEADER.size + _CHECKSUM.size
 SUFFIX = ".kvb"
 
 
 class BlockFileError(Exception):
-    """A block file that must be treated as a miss; ``reason`` names the counter it bumps."""
+    """A block file that must be treated as a miss; ``reason`` names the counter it bumps,
+    ``missing_key`` says it is sealed with a key the key file no longer holds."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, missing_key: bool = False) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+        self.missing_key = missing_key
 
 
 @dataclass(slots=True)
@@ -78,27 +89,81 @@ class _Header:
     block_hash: bytes
     meta: BlockMeta
     body_len: int
+    key_id: bytes
     nonce: bytes
+
+    @property
+    def encrypted(self) -> bool:
+        return bool(self.flags & FLAG_ENCRYPTED)
 
     def pack(self) -> bytes:
         shape = list(self.meta.shape) + [0] * (MAX_NDIM - len(self.meta.shape))
         dtype = self.meta.dtype.encode("ascii")
         return _HEADER.pack(
             MAGIC, FORMAT_VERSION, self.flags, self.model_hash, self.block_hash, dtype,
-            len(self.meta.shape), *shape, self.body_len, self.nonce,
+            len(self.meta.shape), *shape, self.body_len, self.key_id, self.nonce,
         )  # fmt: skip
 
     @classmethod
     def unpack(cls, raw: bytes) -> _Header:
         magic, version, flags, model, bhash, dtype, ndim, *rest = _HEADER.unpack(raw)
-        shape, body_len, nonce = rest[:MAX_NDIM], rest[MAX_NDIM], rest[MAX_NDIM + 1]
+        shape, (body_len, kid, nonce) = rest[:MAX_NDIM], rest[MAX_NDIM:]
         if magic != MAGIC or version != FORMAT_VERSION or ndim > MAX_NDIM:
             raise BlockFileError("header_failures", f"magic {magic!r} version {version}")
         try:
             meta = BlockMeta(dtype.rstrip(b"\0").decode("ascii"), tuple(shape[:ndim]))
         except (UnicodeDecodeError, ValueError) as e:
             raise BlockFileError("header_failures", str(e)) from None
-        return cls(flags, model, bhash, meta, body_len, nonce)
+        return cls(flags, model, bhash, meta, body_len, kid, nonce)
+
+    def sealed_by(self, ring: KeyRing | None) -> _Header:
+        """This header for the body sealed by ``ring``'s current key (plaintext if None)."""
+        if ring is None:
+            return _Header(0, self.model_hash, self.block_hash, self.meta,
+                           self.payload_len(), NO_KEY, bytes(NONCE_BYTES))  # fmt: skip
+        return _Header(FLAG_ENCRYPTED, self.model_hash, self.block_hash, self.meta,
+                       self.payload_len() + TAG_BYTES, ring.current, new_nonce())  # fmt: skip
+
+    def payload_len(self) -> int:
+        """The payload's length, from the body's."""
+        return self.body_len - (TAG_BYTES if self.encrypted else 0)
+
+
+def pack_file(header: _Header, payload: bytes, ring: KeyRing | None) -> bytes:
+    """A whole block file: ``header`` (from ``sealed_by``), checksum, body."""
+    header_raw = header.pack()
+    body = ring.seal(header.nonce, payload, header_raw) if header.encrypted else payload
+    checksum = xxhash.xxh3_64(header_raw)
+    checksum.update(body)
+    return header_raw + _CHECKSUM.pack(checksum.intdigest()) + body
+
+
+def parse_file(prefix: bytes, body: bytes) -> tuple[_Header, bytes]:
+    """A block file's header, its checksum verified, and the header's raw bytes."""
+    if len(prefix) < PREFIX_BYTES:
+        raise BlockFileError("header_failures", "truncated file")
+    header_raw = prefix[: _HEADER.size]
+    (stored_checksum,) = _CHECKSUM.unpack_from(prefix, _HEADER.size)
+    checksum = xxhash.xxh3_64(header_raw)
+    checksum.update(body)
+    if checksum.intdigest() != stored_checksum:
+        raise BlockFileError("checksum_failures", "checksum mismatch")
+    header = _Header.unpack(header_raw)
+    if header.body_len != len(body):
+        raise BlockFileError("header_failures", "length does not match the file size")
+    return header, header_raw
+
+
+def open_body(header: _Header, header_raw: bytes, body: bytes, ring: KeyRing | None) -> bytes:
+    """The payload of a parsed block file (decrypted with ``ring`` when it is sealed)."""
+    if not header.encrypted:
+        return body
+    if ring is None:
+        raise BlockFileError("decrypt_failures", "sealed, and no key is configured")
+    try:
+        return ring.open(header.key_id, header.nonce, body, header_raw)
+    except SealError as e:
+        raise BlockFileError("decrypt_failures", str(e), e.missing_key) from None
 
 
 def model_id_hash(model_id: str) -> bytes:
@@ -111,8 +176,11 @@ class DiskTier(KVTier):
     Capacity counts whole files (header included). The index lives in memory and is rebuilt
     from the directory when the tier is opened; files that do not parse, belong to another
     model or disagree with the key configuration are deleted then. Checksums and decryption
-    are checked on read, where any failure is a miss that deletes the file. Evicted blocks
-    are deleted, not reported: disk is the last tier.
+    are checked on read, where any failure (a block sealed with a key the ring lacks too) is
+    a miss that deletes the file. Evicted blocks are deleted, not reported: disk is the last
+    tier. ``key``: a raw key or a ``KeyRing`` (new files are sealed with its current key).
+    While open the tier holds a shared lock on the directory, which re-sealing (``reseal``)
+    needs exclusively.
     """
 
     def __init__(
@@ -120,24 +188,27 @@ class DiskTier(KVTier):
         directory: str | Path,
         capacity_bytes: int,
         model_id: str,
-        key: bytes | None = None,
+        key: bytes | KeyRing | None = None,
         fsync: bool = True,
     ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        if key is not None and len(key) != KEY_BYTES:
-            raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
         self.directory = Path(directory)
         self.capacity_bytes = capacity_bytes
         self.stats = DiskStats()
         self._model_hash = model_id_hash(model_id)
-        self._aead = AESGCM(key) if key is not None else None
+        self._ring = KeyRing.of(key) if isinstance(key, bytes) else key
         self._fsync = fsync
         self._index: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file size, LRU first
         self._bytes_used = 0
         self._lock = threading.Lock()
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._dir_lock = DirectoryLock(self.directory, exclusive=False)
         self._scan()
+
+    def close(self) -> None:
+        """Let ``splitserve kv reencrypt`` have the directory (the process exiting does too)."""
+        self._dir_lock.close()
 
     # -- paths and encoding ------------------------------------------------------------
 
@@ -146,20 +217,16 @@ class DiskTier(KVTier):
         return self.directory / name[:2] / f"{name}{SUFFIX}"
 
     def _encode(self, block_hash: BlockHash, block: StoredBlock) -> bytes:
-        encrypted = self._aead is not None
-        nonce = os.urandom(NONCE_BYTES) if encrypted else bytes(NONCE_BYTES)
-        body_len = len(block.data) + (16 if encrypted else 0)
-        flags = FLAG_ENCRYPTED if encrypted else 0
-        header = _Header(flags, self._model_hash, block_hash, block.meta, body_len, nonce).pack()
-        body = self._aead.encrypt(nonce, block.data, header) if self._aead else block.data
-        checksum = xxhash.xxh3_64(header)
-        checksum.update(body)
-        return header + _CHECKSUM.pack(checksum.intdigest()) + body
+        plain = _Header(0, self._model_hash, block_hash, block.meta, len(block.data),
+                        NO_KEY, bytes(NONCE_BYTES))  # fmt: skip
+        return pack_file(plain.sealed_by(self._ring), block.data, self._ring)
 
     def _check_header(self, header: _Header, block_hash: BlockHash, file_size: int) -> None:
+        # A key id missing from the ring is not checked here: the scan keeps such a file
+        # and its first read counts it as a decrypt failure, like a wrong key.
         if header.model_hash != self._model_hash or header.block_hash != block_hash:
             raise BlockFileError("header_failures", "other model or block hash")
-        if bool(header.flags & FLAG_ENCRYPTED) != (self._aead is not None):
+        if header.encrypted != (self._ring is not None):
             raise BlockFileError("decrypt_failures", "encryption does not match the key config")
         if PREFIX_BYTES + header.body_len != file_size:
             raise BlockFileError("header_failures", "length does not match the file size")
@@ -167,22 +234,9 @@ class DiskTier(KVTier):
     def _decode(self, block_hash: BlockHash, prefix: bytes, body: bytes) -> StoredBlock:
         """A block from its file's prefix (header and checksum) and body, read apart so that
         the body is never copied out of a larger buffer."""
-        if len(prefix) < PREFIX_BYTES:
-            raise BlockFileError("header_failures", "truncated file")
-        header_raw = prefix[: _HEADER.size]
-        (stored_checksum,) = _CHECKSUM.unpack_from(prefix, _HEADER.size)
-        checksum = xxhash.xxh3_64(header_raw)
-        checksum.update(body)
-        if checksum.intdigest() != stored_checksum:
-            raise BlockFileError("checksum_failures", "checksum mismatch")
-        header = _Header.unpack(header_raw)
+        header, header_raw = parse_file(prefix, body)
         self._check_header(header, block_hash, PREFIX_BYTES + len(body))
-        if self._aead is not None:
-            try:
-                body = self._aead.decrypt(header.nonce, body, header_raw)
-            except InvalidTag:
-                raise BlockFileError("decrypt_failures", "wrong key or tampered") from None
-        return to_block(body, header.meta)
+        return to_block(open_body(header, header_raw, body, self._ring), header.meta)
 
     # -- start-up scan -----------------------------------------------------------------
 
@@ -298,11 +352,45 @@ class DiskTier(KVTier):
             return TierUsage(self._bytes_used, self.capacity_bytes, len(self._index))
 
 
-def write_atomic(path: Path, raw: bytes, fsync: bool) -> None:
-    """Write then rename: a reader or a restart sees the whole file or none of it."""
+class DirectoryLock:
+    """An ``flock`` on a directory itself (no file of its own in it): shared for a disk tier
+    (several may open one directory), exclusive for re-sealing, which fails at once while
+    any tier holds it. Released by ``close``, or when the object or its process goes."""
+
+    _fd = -1  # set only once the lock is held: ``close`` never closes another's fd
+
+    def __init__(self, directory: Path, exclusive: bool) -> None:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            # Shared: waits out a re-seal under way; exclusive: never waits.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __enter__(self) -> DirectoryLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_atomic(path: Path, raw: bytes, fsync: bool, mode: int = 0o666) -> None:
+    """Write then rename: a reader or a restart sees the whole file or none of it.
+
+    ``mode`` (less the umask) is the file's from its creation on."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
             f.write(raw)
             if fsync:
                 f.flush()

@@ -8,7 +8,7 @@ from splitserve.config import KVTierConfig
 from splitserve.kvstore.base import KVTier
 from splitserve.kvstore.disk import DiskTier
 from splitserve.kvstore.host import HostTier
-from splitserve.kvstore.keyfile import load_key
+from splitserve.kvstore.keyfile import load_keyring
 from splitserve.kvstore.tiered import TieredStore
 
 GIB = 2**30
@@ -34,13 +34,14 @@ def build_ladder(cfg: KVTierConfig, model_id: str) -> Ladder | None:
         return None
     tiers: list[KVTier] = []
     names: list[str] = []
+    ring = load_keyring(cfg.encryption_key_file) if cfg.encryption_key_file else None
     if cfg.host_kv_gb > 0:
-        tiers.append(HostTier(int(cfg.host_kv_gb * GIB)))
+        host_ring = ring if cfg.host_kv_encrypt else None
+        tiers.append(HostTier(int(cfg.host_kv_gb * GIB), keyring=host_ring))
         names.append("host")
     if cfg.disk_kv_dir is not None:
-        key = load_key(cfg.encryption_key_file) if cfg.encryption_key_file else None
         try:
-            disk = DiskTier(cfg.disk_kv_dir, int(cfg.disk_kv_gb * GIB), model_id, key=key)
+            disk = DiskTier(cfg.disk_kv_dir, int(cfg.disk_kv_gb * GIB), model_id, key=ring)
         except OSError as e:
             raise ValueError(f"cannot use the disk KV directory {cfg.disk_kv_dir}: {e}") from e
         tiers.append(disk)
