@@ -22,6 +22,7 @@ _BUILTIN_ONLY = (
     ("host_kv_gb", "--host-kv-gb", 0.0),
     ("disk_kv_dir", "--disk-kv-dir", None),
     ("kv_encryption_key_file", "--kv-encryption-key-file", None),
+    ("host_kv_encrypt", "--host-kv-encrypt", False),
     ("step_log_dir", "--step-log-dir", None),
     ("max_waiting", "--max-waiting", None),
     ("kv_peer", "--kv-peer", False),

@@ -117,6 +117,8 @@ def test_rotation_reencrypt_and_drop_keep_every_block_readable(deployment, capsy
     s1 = returning(url, s, 2011)
     assert cached(s1) == LOADED  # from the sealed host tier
     assert metric(url, 'splitserve:kv_tier_hits_total{tier="host"}') - host == LOADED // BS
+    scraped = httpx.get(f"{url}/metrics", timeout=10).text
+    assert "splitserve:kv_tier_host_decrypt_failures_total 0.0" in scraped.splitlines()
     d.stop()
     assert key_id_of(d.file(11)) == key_id_of(d.file(12)) == key_a
 

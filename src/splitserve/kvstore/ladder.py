@@ -19,9 +19,15 @@ class Ladder(NamedTuple):
     names: list[str]  # "host", "disk": metric labels, in ladder order
 
     def disk(self) -> DiskTier | None:
+        return self._tier("disk")  # type: ignore[return-value]
+
+    def host(self) -> HostTier | None:
+        return self._tier("host")  # type: ignore[return-value]
+
+    def _tier(self, wanted: str) -> KVTier | None:
         for name, tier in zip(self.names, self.store.tiers, strict=True):
-            if name == "disk":
-                return tier  # type: ignore[return-value]
+            if name == wanted:
+                return tier
         return None
 
 

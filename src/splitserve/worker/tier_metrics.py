@@ -11,7 +11,8 @@ tier); a collector reads them at scrape time, so the engine never calls promethe
   the tier below.
 * ``splitserve:kv_tier_load_seconds{tier}`` — one load into the device pool, by the slowest
   tier it read; ``splitserve:kv_tier_loaded_blocks{tier}`` — the blocks those loads moved.
-* ``splitserve:kv_tier_checksum_failures``, ``splitserve:kv_tier_read_failures{reason}``.
+* ``splitserve:kv_tier_checksum_failures``, ``splitserve:kv_tier_read_failures{reason}`` (disk),
+  ``splitserve:kv_tier_host_decrypt_failures`` (a sealed host tier).
 * ``splitserve:kv_tier_pinned_blocks``, ``splitserve:kv_tier_pins{event}``.
 """
 
@@ -141,6 +142,14 @@ class TierCollector:
             reasons.add_metric(["io"], s.io_errors)
         yield checksum
         yield reasons
+        host = self.engine.kv_tiers.ladder.host() if self.engine.kv_tiers is not None else None
+        sealed = CounterMetricFamily(
+            "splitserve:kv_tier_host_decrypt_failures",
+            "Sealed host-RAM blocks that did not open (a key gone, tampering), treated as a miss",
+        )
+        if host is not None:
+            sealed.add_metric([], host.decrypt_failures)
+        yield sealed
 
     def _pins(self) -> Iterator[Metric]:
         tiering = self.engine.tiering
