@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from splitserve.common.responses_api import RESPONSES_PATH
 from splitserve.common.tenants import DEFAULT_TENANT
 from splitserve.router import disagg
 from splitserve.router.body import forwarded
@@ -42,7 +43,13 @@ from splitserve.router.migration import (
 from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.policies.session import SyncedRing
 from splitserve.router.replies import Buffered, Reply, Streamed
-from splitserve.router.session import SESSION_HEADER, prefix_key, session_key
+from splitserve.router.session import (
+    SESSION_HEADER,
+    SessionKey,
+    chain_key,
+    prefix_key,
+    session_key,
+)
 from splitserve.router.timing import Timeline, now
 from splitserve.router.upstream import Pool, Response, UpstreamError, dropped
 from splitserve.router.vouch import Vouch
@@ -136,7 +143,13 @@ class Proxy:
             del body[name]
         timeline.parsed = now()
         headers = self._forward_headers(client_headers)
-        placement = self._place(client_headers, body, timeline)
+        responses = path == RESPONSES_PATH  # keyed by its response chain (``chain_key``)
+        if responses:
+            key, named = chain_key(body)
+            headers.update(named)
+        else:
+            key = session_key(client_headers, body, self.config.prefix_chars)
+        placement = self._place(key, body, timeline)
         placement.tenant = tenant
         if admission is not None:
             admission.admit(placement.info.session_key)
@@ -146,17 +159,19 @@ class Proxy:
             raise no_worker("decode")
         placement.predicted = self._predicted(decode, placement.info)
         timeline.routed = now()
-        if self.config.prefetch_hints and placement.info.session_key is not None:
+        # The prefill leg, prefetch and peer hints and resumed streams speak chat and
+        # completions only.
+        if self.config.prefetch_hints and placement.info.session_key is not None and not responses:
             self._prefetch_hint(decode, body, headers, tenant)
-        if self.config.disaggregate:
+        if self.config.disaggregate and not responses:
             await self._remote_prefill(path, body, headers, placement, decode)
         added: dict[str, Any] = {}  # the router's fields in the forwarded body
         if placement.kv_params is not None:
             added.update(disagg.decode_fields(placement.kv_params))
-        elif self.config.kv_peer_fetch:
+        elif self.config.kv_peer_fetch and not responses:
             added.update(self._peer_hint(decode, placement))
         stream = body.get("stream") is True
-        if stream and resumable_request(body):
+        if stream and not responses and resumable_request(body):
             log = StreamLog.of(body, chat=path.endswith("/chat/completions"))
             placement.relay = StreamRelay(log, body)
             placement.headers, placement.excluded = headers, excluded
@@ -226,10 +241,7 @@ class Proxy:
             lambda w: self._send(w, "GET", "/v1/models", None, headers, False, placement),
         )
 
-    def _place(
-        self, client_headers: Mapping[str, str], body: dict[str, Any], timeline: Timeline
-    ) -> Placement:
-        key = session_key(client_headers, body, self.config.prefix_chars)
+    def _place(self, key: SessionKey | None, body: dict[str, Any], timeline: Timeline) -> Placement:
         info = RequestInfo(
             session_key=None if key is None else key.key,
             prefix_key=prefix_key(body, self.config.prefix_chars),
