@@ -65,9 +65,7 @@ def routers(workers, keys_file):
 
 
 def client(router: RouterServer, who: str = "alice") -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{router.url}/v1", api_key=KEYS[who], max_retries=0, timeout=120
-    )
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key=KEYS[who], max_retries=0, timeout=120)
 
 
 def create(router: RouterServer, **kw):
@@ -93,23 +91,28 @@ def test_every_turn_of_a_chain_lands_on_its_worker(routers, workers):
     assert homes <= set(workers)
 
 
-def test_a_streamed_turn_continues_a_chain_on_its_worker(routers):
+def test_a_restarted_router_streams_the_next_turn_to_the_chains_worker(routers, workers, keys_file):
     first, home = create(routers[0], input="Name a city.")
-    stream = client(routers[1]).responses.with_raw_response.create(
-        input="Another one?",
-        previous_response_id=first.id,
-        instructions=INSTRUCTIONS,
-        temperature=0,
-        max_output_tokens=6,
-        stream=True,
-    )
-    assert stream.headers[DECODE_HEADER] == home
-    events = list(stream.parse())
+    restarted = router_over(workers, keys_file)  # a router that never saw the chain
+    try:
+        stream = client(restarted).responses.with_raw_response.create(
+            input="Another one?",
+            previous_response_id=first.id,
+            instructions=INSTRUCTIONS,
+            temperature=0,
+            max_output_tokens=6,
+            stream=True,
+        )
+        assert stream.headers[DECODE_HEADER] == home
+        events = list(stream.parse())
+    finally:
+        restarted.stop()
     assert events[0].type == "response.created" and events[-1].type in (
         "response.completed",
         "response.incomplete",
     )
     assert events[-1].response.previous_response_id == first.id
+    assert events[-1].response.usage.input_tokens_details.cached_tokens > 0
 
 
 def test_get_and_delete_through_the_router(routers):

@@ -221,7 +221,7 @@ def post(url: str, body: dict) -> httpx.Response:
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            "input[0].content.0.type",
+            "input[0].content[0].type",
         ),
         ({"input": [{"role": "user", "content": "hi", "foo": 1}]}, "input[0].foo"),
         ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),

@@ -35,6 +35,7 @@ from splitserve.worker.tool_calls import CLOSE, OPEN
 
 # Chat parameter names as a Responses client knows them.
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens"}
+_TEXT_PARTS = ("input_text", "output_text")
 
 
 def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -67,10 +68,25 @@ def _item(raw: Any, index: int) -> MessageItem | FunctionCallItem | FunctionCall
             f"{where}.type {kind!r} is not supported (supported: {', '.join(INPUT_ITEMS)})",
             param=f"{where}.type",
         )
+    for key in ("content", "output"):
+        _check_parts(raw.get(key), f"{where}.{key}")
     try:
         return schema.model_validate(raw)  # type: ignore[return-value]
     except ValidationError as e:
         raise validation_error(e, where) from e
+
+
+def _check_parts(parts: Any, where: str) -> None:
+    """Only text parts are served: name the first other one (pydantic would name the union)."""
+    if not isinstance(parts, list):
+        return
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS:
+            raise bad_request(
+                f"{where}[{j}].type {kind!r} is not supported (only text parts)",
+                param=f"{where}[{j}].type",
+            )
 
 
 def _text(content: str | list[InputText]) -> str:
@@ -95,6 +111,8 @@ def _append_call(messages: list[dict[str, Any]], call: FunctionCallItem) -> None
 
 def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request that runs ``req`` over the whole conversation ``messages``."""
+    if not messages:
+        raise bad_request("input is empty and there are no instructions", param="input")
     body: dict[str, Any] = {"messages": messages, "stream": bool(req.stream)}
     if req.tools:
         body["tools"] = [_chat_tool(t.model_dump(exclude_none=True)) for t in req.tools]
@@ -110,7 +128,7 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
-        raise validation_error(e, None) from e
+        raise _renamed(validation_error(e, None)) from e
 
 
 def engine_input(chat: ChatCompletionRequest, model: ModelInfo) -> EngineInput:
@@ -118,11 +136,15 @@ def engine_input(chat: ChatCompletionRequest, model: ModelInfo) -> EngineInput:
     try:
         return chat_input(chat, model)
     except APIError as e:
-        if e.param is not None:
-            head, _, rest = e.param.partition(".")
-            e.param = _PARAMS.get(head, head) + (f".{rest}" if rest else "")
-            e.message = e.message.replace("max_completion_tokens", "max_output_tokens")
-        raise
+        raise _renamed(e) from None
+
+
+def _renamed(e: APIError) -> APIError:
+    if e.param is not None:
+        head, _, rest = e.param.partition(".")
+        e.param = _PARAMS.get(head, head) + (f".{rest}" if rest else "")
+        e.message = e.message.replace("max_completion_tokens", "max_output_tokens")
+    return e
 
 
 def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
