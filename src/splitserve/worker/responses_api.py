@@ -38,6 +38,8 @@ from splitserve.common.responses_api import (
 from splitserve.common.sampling_params import InvalidParameter
 from splitserve.engine.outputs import RequestOutput
 from splitserve.worker.async_engine import AsyncEngine, EngineError, QueueFull
+from splitserve.worker.auth import WorkerAuth
+from splitserve.worker.disconnect import ClientGone, unless_disconnected
 from splitserve.worker.erasure import _erase, tenant_of
 from splitserve.worker.errors import APIError, bad_request
 from splitserve.worker.kv_api import KVSides, tool_call_pin
@@ -82,7 +84,7 @@ def responses_routes(
     metrics: WorkerMetrics,
     model: ModelInfo,
     kv: KVSides,
-    auth: Any,
+    auth: WorkerAuth,
     store: ResponseStore,
     owners: KVOwners | None,
 ) -> APIRouter:
@@ -163,7 +165,7 @@ async def _serve(
     model: ModelInfo,
     async_engine: AsyncEngine,
     metrics: WorkerMetrics,
-    auth: Any,
+    auth: WorkerAuth,
     store: ResponseStore,
     owners: KVOwners | None,
 ) -> Response:
@@ -198,7 +200,9 @@ async def _serve(
         events = response_events(stream, tracker, head, turn.tools, finish)
         return SSEResponse(events, headers={"Cache-Control": "no-cache"})
     try:
-        out = await collect(stream, tracker)
+        out = await unless_disconnected(request, collect(stream, tracker))
+    except ClientGone:
+        return Response(status_code=499)  # nobody is listening; the request was aborted
     except EngineError as e:
         raise APIError(500, str(e)) from e
     return JSONResponse(await finish(out, output_items(out, turn.tools)))
