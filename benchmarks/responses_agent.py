@@ -22,6 +22,7 @@ previous turn's context, and TTFT of turn 10 <= 1.5x turn 1 (medians over the ru
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -60,16 +61,31 @@ INSTRUCTIONS = (
     "did not report. Keep every answer short, friendly and precise; do not repeat the "
     "question; do not apologise; do not explain how the tool works. "
 )
-SHOT = '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}</tool_call>'
 CITIES = ["Paris", "Lisbon", "Vienna", "Prague", "Madrid", "Dublin", "Athens", "Berlin"]
 WEATHER = ["sunny, 24 C", "light rain, 14 C", "cloudy, 18 C", "windy, 11 C", "clear, 27 C"]
 
 
 def first_input() -> list[dict]:
+    """Two worked examples (question, call, result, answer) as items, then the first question."""
     items: list[dict] = []
-    for city in ("Rome", "Oslo"):  # few-shot: how a call and its answer look
+    for city, weather, item in (
+        ("Rome", "sunny, 25 C", "sunglasses"),
+        ("Oslo", "snow, -3 C", "boots"),
+    ):
+        call_id = f"call_example_{city.lower()}"
+        arguments = json.dumps({"city": city})
         items.append({"role": "user", "content": f"What is the weather in {city}?"})
-        items.append({"role": "assistant", "content": SHOT % city})
+        items.append(
+            {
+                "type": "function_call",
+                "call_id": call_id,
+                "name": "get_weather",
+                "arguments": arguments,
+            }
+        )
+        items.append({"type": "function_call_output", "call_id": call_id, "output": weather})
+        answer = f"{city} is {weather.split(',')[0]} today; pack {item}."
+        items.append({"role": "assistant", "content": answer})
     items.append({"role": "user", "content": f"What is the weather in {CITIES[0]}?"})
     return items
 
