@@ -15,6 +15,7 @@ the stream end with an SSE error event.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -43,13 +44,7 @@ from splitserve.router.migration import (
 from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.policies.session import SyncedRing
 from splitserve.router.replies import Buffered, Reply, Streamed
-from splitserve.router.session import (
-    SESSION_HEADER,
-    SessionKey,
-    chain_key,
-    prefix_key,
-    session_key,
-)
+from splitserve.router.session import SESSION_HEADER, chain_key, prefix_key, session_key
 from splitserve.router.timing import Timeline, now
 from splitserve.router.upstream import Pool, Response, UpstreamError, dropped
 from splitserve.router.vouch import Vouch
@@ -143,14 +138,11 @@ class Proxy:
             del body[name]
         timeline.parsed = now()
         headers = self._forward_headers(client_headers)
-        responses = path == RESPONSES_PATH  # keyed by its response chain (``chain_key``)
-        if responses:
-            key, named = chain_key(body)
-            headers.update(named)
-        else:
-            key = session_key(client_headers, body, self.config.prefix_chars)
-        placement = self._place(key, body, timeline)
+        placement = self._place(client_headers, body, timeline)
         placement.tenant = tenant
+        responses = path == RESPONSES_PATH
+        if responses:  # keyed by its response chain instead (``session.chain_key``)
+            self._place_chain(placement, body, headers)
         if admission is not None:
             admission.admit(placement.info.session_key)
         excluded: list[str] = []
@@ -241,7 +233,10 @@ class Proxy:
             lambda w: self._send(w, "GET", "/v1/models", None, headers, False, placement),
         )
 
-    def _place(self, key: SessionKey | None, body: dict[str, Any], timeline: Timeline) -> Placement:
+    def _place(
+        self, client_headers: Mapping[str, str], body: dict[str, Any], timeline: Timeline
+    ) -> Placement:
+        key = session_key(client_headers, body, self.config.prefix_chars)
         info = RequestInfo(
             session_key=None if key is None else key.key,
             prefix_key=prefix_key(body, self.config.prefix_chars),
@@ -253,6 +248,16 @@ class Proxy:
             ring = self._home_ring.sync([w for w in self.membership.all() if w.serves("decode")])
             home = ring.owner(info.session_key)
         return Placement(info, home, timeline=timeline)
+
+    def _place_chain(
+        self, placement: Placement, body: dict[str, Any], headers: dict[str, str]
+    ) -> None:
+        """Key a Responses request by its chain, naming a first turn's new chain to the worker."""
+        key, named = chain_key(body)
+        headers.update(named)
+        placement.info = dataclasses.replace(placement.info, session_key=key.key)
+        ring = self._home_ring.sync([w for w in self.membership.all() if w.serves("decode")])
+        placement.home = ring.owner(key.key)
 
     def _predicted(self, worker: Worker, info: RequestInfo) -> tuple[str, int] | None:
         index = getattr(self.policies["decode"], "index", None)  # the kv-events policy's
