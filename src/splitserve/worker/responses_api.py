@@ -6,7 +6,9 @@ A chain is one session: every response of it runs as session ``response-chain-<c
 that calls tools pins the chain's KV in the device pool (``kv_api.tool_call_pin``) until the
 call's output comes back in the next turn. A new chain is named by the router
 (``x-splitserve-response-chain``) so that it can route the chain's later turns to this
-worker; a client talking to the worker directly gets a fresh one.
+worker; a client talking to the worker directly gets a fresh one. The header is not signed:
+naming a chain only chooses a name within the caller's own tenant, whose store, KV salt and
+owner records are its own.
 
 ``previous_response_id`` naming no response of this tenant is a 400 with code
 ``previous_response_not_found``, as OpenAI answers it; ``GET``/``DELETE`` of an unknown id
