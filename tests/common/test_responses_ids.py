@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from splitserve.common.access_log import usage_fields
 from splitserve.common.responses_api import (
     CHAIN_HEADER,
     chain_of,
@@ -64,3 +65,14 @@ def test_a_tenant_never_sees_or_deletes_anothers_response():
     assert store.delete("alice", "resp_1") is True and store.get("alice", "resp_1") is None
     with pytest.raises(ValueError):
         ResponseStore(max_per_tenant=0)
+
+
+def test_the_access_log_reads_a_responses_usage():
+    usage = {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 32}, "output_tokens": 5}
+    assert usage_fields(usage) == {"prompt_tokens": 40, "cached_tokens": 32, "completion_tokens": 5}
+    chat = {
+        "prompt_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens": 2,
+    }
+    assert usage_fields(chat) == {"prompt_tokens": 7, "cached_tokens": 0, "completion_tokens": 2}
