@@ -24,7 +24,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from splitserve.common.responses_api import RESPONSES_PATH
 from splitserve.common.tenants import DEFAULT_TENANT
 from splitserve.router import disagg
 from splitserve.router.body import forwarded
@@ -44,7 +43,13 @@ from splitserve.router.migration import (
 from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.policies.session import SyncedRing
 from splitserve.router.replies import Buffered, Reply, Streamed
-from splitserve.router.session import SESSION_HEADER, chain_key, prefix_key, session_key
+from splitserve.router.session import (
+    SESSION_HEADER,
+    chain_key,
+    keyed_by_chain,
+    prefix_key,
+    session_key,
+)
 from splitserve.router.timing import Timeline, now
 from splitserve.router.upstream import Pool, Response, UpstreamError, dropped
 from splitserve.router.vouch import Vouch
@@ -140,7 +145,7 @@ class Proxy:
         headers = self._forward_headers(client_headers)
         placement = self._place(client_headers, body, timeline)
         placement.tenant = tenant
-        responses = path == RESPONSES_PATH
+        responses = keyed_by_chain(path)
         if responses:  # keyed by its response chain instead (``session.chain_key``)
             self._place_chain(placement, body, headers)
         if admission is not None:

@@ -28,7 +28,13 @@ from typing import Any, NamedTuple
 
 import xxhash
 
-from splitserve.common.responses_api import CHAIN_HEADER, chain_of, chain_session, new_chain
+from splitserve.common.responses_api import (
+    CHAIN_HEADER,
+    RESPONSES_PATH,
+    chain_of,
+    chain_session,
+    new_chain,
+)
 
 SESSION_HEADER = "x-session-id"
 DEFAULT_PREFIX_CHARS = 512
@@ -60,6 +66,11 @@ def session_key(
     if start is None:
         return None
     return SessionKey(f"prefix:{_digest(start)}", "prefix")
+
+
+def keyed_by_chain(path: str) -> bool:
+    """Whether requests to ``path`` are keyed by their response chain (``chain_key``)."""
+    return path == RESPONSES_PATH
 
 
 def chain_key(body: Mapping[str, Any]) -> tuple[SessionKey, dict[str, str]]:
