@@ -131,15 +131,17 @@ def greedy_answer(url: str, headers: dict[str, str]) -> str:
 
 def bounded(body: object, path: str) -> None:
     """Lower a valid generated ``max_tokens`` in place (see ``MAX_GENERATED_TOKENS``)."""
-    if not isinstance(body, dict) or not path.endswith("completions"):
+    responses = path.endswith("/v1/responses")
+    if not isinstance(body, dict) or not (path.endswith("completions") or responses):
         return
-    for name in ("max_tokens", "max_completion_tokens"):
+    limits = ("max_output_tokens",) if responses else ("max_tokens", "max_completion_tokens")
+    for name in limits:
         value = body.get(name)
         if type(value) is int and MAX_GENERATED_TOKENS < value < MAX_MODEL_LEN:
             body[name] = MAX_GENERATED_TOKENS
-    unset = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
-    if unset and path.endswith("/chat/completions"):
-        body["max_tokens"] = MAX_GENERATED_TOKENS
+    unset = all(body.get(name) is None for name in limits)
+    if unset and (responses or path.endswith("/chat/completions")):
+        body[limits[0]] = MAX_GENERATED_TOKENS
 
 
 def openai_error_body(ctx, response, case) -> bool | None:

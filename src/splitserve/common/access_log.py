@@ -95,14 +95,16 @@ class AccessLog:
 
 
 def usage_fields(usage: dict[str, Any] | None) -> dict[str, int | None]:
-    """The token fields of an OpenAI ``usage`` object (all null without one)."""
+    """The token fields of an OpenAI ``usage`` object (all null without one): a chat or
+    text completion's, or a Responses API response's (``input_tokens``, ...)."""
     if not isinstance(usage, dict):
         return {}
-    details = usage.get("prompt_tokens_details") or {}
+    responses = "input_tokens" in usage
+    details = usage.get("input_tokens_details" if responses else "prompt_tokens_details") or {}
     return {
-        "prompt_tokens": usage.get("prompt_tokens"),
+        "prompt_tokens": usage.get("input_tokens" if responses else "prompt_tokens"),
         "cached_tokens": details.get("cached_tokens") if isinstance(details, dict) else None,
-        "completion_tokens": usage.get("completion_tokens"),
+        "completion_tokens": usage.get("output_tokens" if responses else "completion_tokens"),
     }
 
 

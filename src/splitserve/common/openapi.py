@@ -28,6 +28,7 @@ from splitserve.common.protocol import (
     KVPrefetchRequest,
     ModelList,
 )
+from splitserve.common.responses_api import ResponsesRequest
 
 _REF = "#/components/schemas/{model}"
 # What a client can cause on every endpoint that takes a body; a model's endpoints add more.
@@ -41,6 +42,12 @@ _EVENT = {
     "type": "object",
     "required": ["data"],
     "properties": {"data": {"type": "string", "description": "a chunk as JSON, or [DONE]"}},
+}
+# A Responses stream's events: ``event:`` names the type, ``data:`` is the event as JSON.
+_RESPONSE_EVENT = {
+    "type": "object",
+    "required": ["event", "data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
 }
 _LOAD = {
     "type": "object",
@@ -89,6 +96,31 @@ def openai_operations(key: str | None) -> dict[tuple[str, str], Operation]:
         ),
         ("get", "/v1/models"): Operation(
             "The served model", ok={"application/json": ModelList}, errors=_UNAVAILABLE, key=key
+        ),
+        **responses_operations(key, model_errors),
+    }
+
+
+def responses_operations(
+    key: str | None, errors: dict[str, str]
+) -> dict[tuple[str, str], Operation]:
+    """The Responses API (``worker.responses_api``); the router asks every worker for a
+    stored response and answers 502 when none has it and one could not be asked."""
+    ok = {"application/json": {"type": "object"}}
+    stored = {"404": "no stored response of the caller's tenant has this id"}
+    stored |= {"502": "no worker holds it and some worker could not be asked (router)"}
+    path = "/v1/responses/{rid}"
+    return {
+        ("post", "/v1/responses"): Operation(
+            "Create a response (a turn of a response chain)",
+            ResponsesRequest,
+            ok={**ok, "text/event-stream": _RESPONSE_EVENT},
+            errors=errors,
+            key=key,
+        ),
+        ("get", path): Operation("A stored response", ok=ok, errors=stored, key=key),
+        ("delete", path): Operation(
+            "Delete a stored response and erase its chain's KV", ok=ok, errors=stored, key=key
         ),
     }
 
@@ -214,4 +246,4 @@ def _model_schemas(models: list[type[BaseModel]]) -> tuple[dict, dict]:
     return {m: refs[(m, mode)] for m, mode in keys}, top.get("$defs", {})
 
 
-_REQUESTS = (ChatCompletionRequest, CompletionRequest, KVPrefetchRequest)
+_REQUESTS = (ChatCompletionRequest, CompletionRequest, KVPrefetchRequest, ResponsesRequest)

@@ -25,6 +25,7 @@ from splitserve.router.membership import BreakerConfig, Membership
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import make_policy
 from splitserve.router.proxy import Proxy
+from splitserve.router.responses_api import responses_routes
 from splitserve.router.ring import DEFAULT_VNODES
 from splitserve.router.vouch import Vouch
 from splitserve.router.worker import ROLES, Worker, check_url, healthy_workers, normalize_url
@@ -102,6 +103,7 @@ def create_app(config: RouterConfig) -> Front:
     app.router.routes.append(Route(MODELS_PATH, endpoint, methods=["GET"]))
     app.include_router(_admin_routes(membership, kv_index), dependencies=[Depends(_admin(config))])
     app.include_router(erasure_routes(lambda: state["proxy"], membership, tenants))
+    app.include_router(responses_routes(lambda: state["proxy"], membership, tenants))
     api_schema.install(app, config)
     return Front(app, BodyLimit(endpoint, config.max_body_bytes))
 

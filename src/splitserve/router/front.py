@@ -24,7 +24,7 @@ from splitserve.router.proxy import DECODE_HEADER, PREFILL_HEADER, Proxy
 from splitserve.router.replies import Buffered, Reply, write
 from splitserve.router.timing import Timeline, now
 
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MODELS_PATH = "/v1/models"
 ROUTES = {("POST", p) for p in COMPLETION_PATHS} | {("GET", MODELS_PATH)}
 

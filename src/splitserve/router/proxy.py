@@ -15,6 +15,7 @@ the stream end with an SSE error event.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -42,7 +43,13 @@ from splitserve.router.migration import (
 from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.policies.session import SyncedRing
 from splitserve.router.replies import Buffered, Reply, Streamed
-from splitserve.router.session import SESSION_HEADER, prefix_key, session_key
+from splitserve.router.session import (
+    SESSION_HEADER,
+    chain_key,
+    keyed_by_chain,
+    prefix_key,
+    session_key,
+)
 from splitserve.router.timing import Timeline, now
 from splitserve.router.upstream import Pool, Response, UpstreamError, dropped
 from splitserve.router.vouch import Vouch
@@ -139,6 +146,9 @@ class Proxy:
         headers = self._forward_headers(client_headers)
         placement = self._place(client_headers, body, timeline, self._kv_salt(body, tenant))
         placement.tenant = tenant
+        responses = keyed_by_chain(path)
+        if responses:  # keyed by its response chain instead (``session.chain_key``)
+            self._place_chain(placement, body, headers)
         if admission is not None:
             admission.admit(placement.info.session_key)
         excluded: list[str] = []
@@ -147,17 +157,19 @@ class Proxy:
             raise no_worker("decode")
         placement.predicted = self._predicted(decode, placement.info)
         timeline.routed = now()
-        if self.config.prefetch_hints and placement.info.session_key is not None:
+        # The prefill leg, prefetch and peer hints and resumed streams speak chat and
+        # completions only.
+        if self.config.prefetch_hints and placement.info.session_key is not None and not responses:
             self._prefetch_hint(decode, body, headers, tenant)
-        if self.config.disaggregate:
+        if self.config.disaggregate and not responses:
             await self._remote_prefill(path, body, headers, placement, decode)
         added: dict[str, Any] = {}  # the router's fields in the forwarded body
         if placement.kv_params is not None:
             added.update(disagg.decode_fields(placement.kv_params))
-        elif self.config.kv_peer_fetch:
+        elif self.config.kv_peer_fetch and not responses:
             added.update(self._peer_hint(decode, placement))
         stream = body.get("stream") is True
-        if stream and resumable_request(body):
+        if stream and not responses and resumable_request(body):
             log = StreamLog.of(body, chat=path.endswith("/chat/completions"))
             placement.relay = StreamRelay(log, body)
             placement.headers, placement.excluded = headers, excluded
@@ -271,6 +283,16 @@ class Proxy:
             ring = self._home_ring.sync([w for w in self.membership.all() if w.serves("decode")])
             home = ring.owner(info.session_key)
         return Placement(info, home, timeline=timeline)
+
+    def _place_chain(
+        self, placement: Placement, body: dict[str, Any], headers: dict[str, str]
+    ) -> None:
+        """Key a Responses request by its chain, naming a first turn's new chain to the worker."""
+        key, named = chain_key(body)
+        headers.update(named)
+        placement.info = dataclasses.replace(placement.info, session_key=key.key)
+        ring = self._home_ring.sync([w for w in self.membership.all() if w.serves("decode")])
+        placement.home = ring.owner(key.key)
 
     def _predicted(self, worker: Worker, info: RequestInfo) -> tuple[str, int] | None:
         index = getattr(self.policies["decode"], "index", None)  # the kv-events policy's

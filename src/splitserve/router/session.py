@@ -13,6 +13,12 @@ key. In order of preference:
 
 Per-request ids (``X-Request-Id``, a body ``request_id``) change every turn and are never
 used: they would scatter a session across workers.
+
+A Responses API request (``/v1/responses``) is keyed by its response chain instead
+(:func:`chain_key`): the chain is written into every response id of it, so a turn's
+``previous_response_id`` names its session. A first turn gets a new chain, which the router
+names to the worker (``x-splitserve-response-chain``) and the worker puts into the ids.
+Nothing is remembered here: any router replica, restarted or not, keys a chain alike.
 """
 
 from __future__ import annotations
@@ -21,6 +27,14 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import xxhash
+
+from splitserve.common.responses_api import (
+    CHAIN_HEADER,
+    RESPONSES_PATH,
+    chain_of,
+    chain_session,
+    new_chain,
+)
 
 SESSION_HEADER = "x-session-id"
 DEFAULT_PREFIX_CHARS = 512
@@ -52,6 +66,25 @@ def session_key(
     if start is None:
         return None
     return SessionKey(f"prefix:{_digest(start)}", "prefix")
+
+
+def keyed_by_chain(path: str) -> bool:
+    """Whether requests to ``path`` are keyed by their response chain (``chain_key``)."""
+    return path == RESPONSES_PATH
+
+
+def chain_key(body: Mapping[str, Any]) -> tuple[SessionKey, dict[str, str]]:
+    """A Responses request's session key, and the headers that name a first turn's new
+    chain to the worker (none when the request continues a chain). A
+    ``previous_response_id`` this server did not make keys by itself; the worker answers
+    that it does not know it."""
+    previous = body.get("previous_response_id")
+    if isinstance(previous, str) and previous:
+        chain = chain_of(previous)
+        key = chain_session(chain) if chain is not None else f"response:{previous}"
+        return SessionKey(key, "previous_response_id"), {}
+    chain = new_chain()
+    return SessionKey(chain_session(chain), "response_chain"), {CHAIN_HEADER: chain}
 
 
 def prefix_key(body: Mapping[str, Any], prefix_chars: int = DEFAULT_PREFIX_CHARS) -> str | None:

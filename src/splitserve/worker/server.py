@@ -54,6 +54,7 @@ from splitserve.worker.prepare import (
     parse_body,
 )
 from splitserve.worker.quotas import CountedStream, admit
+from splitserve.worker.response_store import ResponseStore
 from splitserve.worker.responses import (
     SSEResponse,
     chat_response,
@@ -61,6 +62,7 @@ from splitserve.worker.responses import (
     completion_response,
     sse_events,
 )
+from splitserve.worker.responses_api import responses_routes
 from splitserve.worker.tier_metrics import TierCollector
 
 log = logging.getLogger(__name__)
@@ -133,6 +135,11 @@ def create_app(
     app.include_router(kv_routes(async_engine, model, kv, auth), dependencies=guard)
     app.state.kv_owners = owners_for(engine)
     app.include_router(erasure_routes(async_engine, kv, app.state.kv_owners), dependencies=guard)
+    app.state.responses = ResponseStore()
+    responses = responses_routes(
+        async_engine, metrics, model, kv, auth, app.state.responses, app.state.kv_owners
+    )
+    app.include_router(responses, dependencies=guard)
     openapi.install(app, openapi.worker_operations("bearer" if auth.tenants.required else None))
     return app
 

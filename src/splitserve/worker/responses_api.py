@@ -1,0 +1,260 @@
+"""``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``: the OpenAI Responses
+API over the worker's engine, with the conversation of each response chain stored here.
+
+A chain is one session: every response of it runs as session ``response-chain-<chain>``
+(``common.responses_api``), so its KV is owned, pinned and erased as that session's. A reply
+that calls tools pins the chain's KV in the device pool (``kv_api.tool_call_pin``) until the
+call's output comes back in the next turn. A new chain is named by the router
+(``x-splitserve-response-chain``) so that it can route the chain's later turns to this
+worker; a client talking to the worker directly gets a fresh one. The header is not signed:
+naming a chain only chooses a name within the caller's own tenant, whose store, KV salt and
+owner records are its own.
+
+``previous_response_id`` naming no response of this tenant is a 400 with code
+``previous_response_not_found``, as OpenAI answers it; ``GET``/``DELETE`` of an unknown id
+is a 404. ``DELETE`` erases the chain's KV here (``worker.erasure``) even when the response
+itself is not stored on this worker: the router asks every worker, as for a session.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from splitserve.common.responses_api import (
+    CHAIN_HEADER,
+    RESPONSES_PATH,
+    ResponsesRequest,
+    chain_of,
+    chain_session,
+    is_chain,
+    new_chain,
+    response_id,
+    response_object,
+    usage,
+)
+from splitserve.common.sampling_params import InvalidParameter
+from splitserve.engine.outputs import RequestOutput
+from splitserve.worker.async_engine import AsyncEngine, EngineError, QueueFull
+from splitserve.worker.auth import WorkerAuth
+from splitserve.worker.disconnect import ClientGone, unless_disconnected
+from splitserve.worker.erasure import _erase, tenant_of
+from splitserve.worker.errors import APIError, bad_request
+from splitserve.worker.kv_api import KVSides, tool_call_pin
+from splitserve.worker.kv_owners import KVOwners, OwnedStream
+from splitserve.worker.metrics import WorkerMetrics
+from splitserve.worker.prepare import EngineInput, ModelInfo, model_not_found, parse_body
+from splitserve.worker.quotas import CountedStream, admit
+from splitserve.worker.response_events import output_items, response_events, status_of
+from splitserve.worker.response_input import (
+    chat_request,
+    engine_input,
+    input_messages,
+    validation_error,
+)
+from splitserve.worker.response_store import ResponseStore, StoredResponse
+from splitserve.worker.responses import SSEResponse, collect
+
+
+class _AnyObject(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Turn:
+    """One ``POST /v1/responses`` being served: its request, chain and conversation."""
+
+    def __init__(self, req: ResponsesRequest, chain: str, context: list[dict[str, Any]]):
+        self.req = req
+        self.chain = chain
+        self.id = response_id(chain)
+        self.session = chain_session(chain)
+        self.context = context  # the conversation before this turn's output
+        self.created_at = int(time.time())
+        self.tools = bool(req.tools) and req.tool_choice != "none"
+
+    def messages(self) -> list[dict[str, Any]]:
+        system = [{"role": "system", "content": self.req.instructions}]
+        return (system if self.req.instructions else []) + self.context
+
+
+def responses_routes(
+    async_engine: AsyncEngine,
+    metrics: WorkerMetrics,
+    model: ModelInfo,
+    kv: KVSides,
+    auth: WorkerAuth,
+    store: ResponseStore,
+    owners: KVOwners | None,
+) -> APIRouter:
+    router = APIRouter()
+
+    @router.post(RESPONSES_PATH)
+    async def create(request: Request) -> Response:
+        req = await _parse(request)
+        if req.model is not None and req.model != model.name:
+            raise model_not_found(req.model)
+        turn = _turn(req, request, store)
+        inp = engine_input(chat_request(req, turn.messages()), model)
+        return await _serve(request, turn, inp, model, async_engine, metrics, auth, store, owners)
+
+    @router.get(RESPONSES_PATH + "/{rid}")
+    async def retrieve(rid: str, request: Request) -> dict[str, Any]:
+        record = store.get(tenant_of(request), rid)
+        if record is None:
+            raise _not_found(rid)
+        return record.body
+
+    @router.delete(RESPONSES_PATH + "/{rid}")
+    async def delete(rid: str, request: Request) -> dict[str, Any]:
+        tenant = tenant_of(request)
+        chain = chain_of(rid)
+        erased = None
+        if chain is not None and owners is not None:
+            session = chain_session(chain)
+            erased = await _erase(owners.claim_session(tenant, session), async_engine, kv)
+            owners.forget_session(tenant, session)
+        if not store.delete(tenant, rid):
+            raise _not_found(rid)
+        return {"id": rid, "object": "response", "deleted": True, "kv_erasure": erased}
+
+    return router
+
+
+async def _parse(request: Request) -> ResponsesRequest:
+    body = (await parse_body(request, _AnyObject)).model_dump()
+    try:
+        return ResponsesRequest.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e, None) from e
+
+
+def _turn(req: ResponsesRequest, request: Request, store: ResponseStore) -> _Turn:
+    """The chain this request continues (or starts) and its conversation so far."""
+    new = input_messages(req.input)
+    if req.previous_response_id is None:
+        return _Turn(req, _new_chain(request), new)
+    previous = store.get(tenant_of(request), req.previous_response_id)
+    if previous is None:
+        raise bad_request(
+            f"Previous response with id '{req.previous_response_id}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return _Turn(req, previous.chain, [*previous.context, *new])
+
+
+def _new_chain(request: Request) -> str:
+    named = request.headers.get(CHAIN_HEADER)
+    if named is None:
+        return new_chain()
+    if not is_chain(named):
+        raise bad_request(f"{CHAIN_HEADER} must be 32 lower-case hex digits", param=CHAIN_HEADER)
+    return named
+
+
+def _not_found(rid: str) -> APIError:
+    return APIError(404, f"Response with id '{rid}' not found.", param="response_id")
+
+
+async def _serve(
+    request: Request,
+    turn: _Turn,
+    inp: EngineInput,
+    model: ModelInfo,
+    async_engine: AsyncEngine,
+    metrics: WorkerMetrics,
+    auth: WorkerAuth,
+    store: ResponseStore,
+    owners: KVOwners | None,
+) -> Response:
+    request.state.request_id, request.state.session = turn.id, turn.session
+    salt = request.state.kv_salt = auth.salt(request, None)
+    ticket = admit(
+        request.app.state.quotas, auth, request, turn.session, _blocks(inp, async_engine), metrics
+    )
+    try:
+        stream = await _add(async_engine, turn, inp, salt)
+    except BaseException:
+        ticket.release()
+        raise
+    stream = CountedStream(stream, ticket, len(inp.prompt_token_ids))
+    if owners is not None:
+        key = owners.begin(tenant_of(request), turn.session, turn.id, salt, inp.prompt_token_ids)
+        stream = OwnedStream(stream, owners, key, salt, inp.prompt_token_ids)
+    tracker = metrics.track(lambda out: _note_usage(request, out))
+    pin = None
+    if turn.tools and hasattr(async_engine.engine, "retain_prefix"):
+        pin = tool_call_pin(async_engine, turn.session, salt)
+
+    async def finish(out: RequestOutput, items: list[dict[str, Any]]) -> dict[str, Any]:
+        if pin is not None and any(i["type"] == "function_call" for i in items):
+            await pin(out)  # the chain comes back with the call's output
+        return _finish(turn, model, out, items, tenant_of(request), store)
+
+    if turn.req.stream:
+        head = response_object(
+            turn.id, model.name, turn.req, "in_progress", [], None, turn.created_at
+        )
+        events = response_events(stream, tracker, head, turn.tools, finish)
+        return SSEResponse(events, headers={"Cache-Control": "no-cache"})
+    try:
+        out = await unless_disconnected(request, collect(stream, tracker))
+    except ClientGone:
+        return Response(status_code=499)  # nobody is listening; the request was aborted
+    except EngineError as e:
+        raise APIError(500, str(e)) from e
+    return JSONResponse(await finish(out, output_items(out, turn.tools)))
+
+
+def _finish(
+    turn: _Turn,
+    model: ModelInfo,
+    out: RequestOutput,
+    items: list[dict[str, Any]],
+    tenant: str,
+    store: ResponseStore,
+) -> dict[str, Any]:
+    """The finished response object, stored with its conversation when ``store`` is on."""
+    n_out = len(out.outputs[0].token_ids)
+    used = usage(len(out.prompt_token_ids), out.num_cached_tokens, n_out)
+    body = response_object(
+        turn.id, model.name, turn.req, status_of(out), items, used, turn.created_at
+    )
+    if turn.req.store is not False:
+        # The reply as the model wrote it (tool-call markup included): the next turn's
+        # prompt then repeats this one's tokens and finds them cached.
+        reply = {"role": "assistant", "content": out.outputs[0].text}
+        context = (*turn.context, reply)
+        store.put(tenant, StoredResponse(turn.id, turn.chain, body, context))
+    return body
+
+
+async def _add(async_engine: AsyncEngine, turn: _Turn, inp: EngineInput, salt: str) -> Any:
+    try:
+        return await async_engine.add(
+            turn.id, inp.prompt_token_ids, inp.params, inp.prompt, keep_blocks=False, salt=salt
+        )
+    except QueueFull as e:
+        raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full") from e
+    except InvalidParameter as e:
+        raise bad_request(str(e), param=e.param) from e
+    except EngineError as e:
+        raise APIError(503, str(e), code="engine_unavailable") from e
+
+
+def _blocks(inp: EngineInput, async_engine: AsyncEngine) -> int:
+    """The KV blocks the turn may come to hold: its prompt and every token it may write."""
+    block_size = getattr(getattr(async_engine.engine, "config", None), "block_size", 16)
+    return -(-(len(inp.prompt_token_ids) + inp.params.max_tokens) // block_size)
+
+
+def _note_usage(request: Request, out: RequestOutput) -> None:
+    """The token counts of a finished turn, for the access log."""
+    state = request.state
+    state.prompt_tokens = len(out.prompt_token_ids)
+    state.cached_tokens = out.num_cached_tokens
+    state.completion_tokens = len(out.outputs[0].token_ids)
