@@ -121,7 +121,9 @@ def chat_grammar(req: ChatCompletionRequest) -> Grammar | None:
                     "response_format cannot be combined with a forced tool_choice",
                     param="response_format",
                 )
-            return tool_calls_grammar(forced, parallel=req.parallel_tool_calls is not False)
+            # One call unless parallel calls are asked for by name: a small model forced to
+            # call tools repeats its call until max_tokens cuts one in half.
+            return tool_calls_grammar(forced, parallel=req.parallel_tool_calls is True)
         tools = [t.model_dump(exclude_unset=True) for t in req.tools or ()]
         if offers_tools(req) and schema is not None:
             return json_or_tool_calls(schema.get("schema"), tools)
