@@ -105,9 +105,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "code_review": _obj(
         {
             "verdict": _enum("approve", "request_changes", "comment"),
-            "comments": _arr(
-                _obj({"line": {"type": "integer", "minimum": 1}, "text": _s(60)}), 2
-            ),
+            "comments": _arr(_obj({"line": {"type": "integer", "minimum": 1}, "text": _s(60)}), 2),
         }
     ),
     "travel": _obj(

@@ -137,7 +137,11 @@ def main() -> None:
             compiles.append(c)
             steps.extend(s)
         us = sorted(x * 1e6 for x in steps)
-        results[lib.name] = (statistics.median(us), statistics.fmean(us), statistics.median(compiles))
+        results[lib.name] = (
+            statistics.median(us),
+            statistics.fmean(us),
+            statistics.median(compiles),
+        )
         print(
             f"{lib.name:11s} tokenizer setup {setup:6.2f} s | compile median "
             f"{statistics.median(compiles) * 1e3:7.2f} ms max {max(compiles) * 1e3:7.2f} ms | "
