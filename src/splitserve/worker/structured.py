@@ -13,9 +13,11 @@ matchers enforce token by token (``engine/grammar.py``):
   call's body is constrained the same way (the trigger of ``tool_call_body``).
 
 JSON is generated with fixed separators and no free whitespace, so a reply cannot run on in
-blank lines, and objects get no properties beyond those their schema names (unless it sets
-``additionalProperties`` itself): every output is valid under the schema as given, and a small
-model cannot wander off into keys of its own (xgrammar's and vLLM's ``strict_mode``).
+blank lines. Two more tightenings keep a small model from wandering while every output stays
+valid under the schema as given: objects get no properties beyond those their schema names
+(unless it sets ``additionalProperties`` itself; xgrammar's and vLLM's ``strict_mode``), and
+integers without bounds stay within I-JSON's exactly representable range, +-(2**53 - 1)
+(RFC 7493), so a reply cannot run on in digits.
 """
 
 from __future__ import annotations
@@ -93,29 +95,38 @@ def _call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
 def _json(schema: dict[str, Any]) -> str:
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be an object")
-    return "%json " + json.dumps({**closed(schema), "x-guidance": _JSON_FORMAT})
+    return "%json " + json.dumps({**tightened(schema), "x-guidance": _JSON_FORMAT})
 
 
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
 
-def closed(schema: Any) -> Any:
+_SAFE_INTEGER = 2**53 - 1
+
+
+def tightened(schema: Any) -> Any:
     """``schema`` with ``additionalProperties: false`` on every object schema that names
-    properties and says nothing about others."""
+    properties and says nothing about others, and I-JSON bounds on unbounded integers."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {k: closed(v) for k, v in out[key].items()}
+            out[key] = {k: tightened(v) for k, v in out[key].items()}
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [closed(v) for v in out[key]]
+            out[key] = [tightened(v) for v in out[key]]
     if isinstance(out.get("items"), dict):
-        out["items"] = closed(out["items"])
+        out["items"] = tightened(out["items"])
     if "properties" in out and "additionalProperties" not in out:
         out["additionalProperties"] = False
+    types = out.get("type")
+    if types == "integer" or (isinstance(types, list) and "integer" in types):
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = _SAFE_INTEGER
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -_SAFE_INTEGER
     return out
 
 
