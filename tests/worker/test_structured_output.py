@@ -89,6 +89,18 @@ def test_json_object_output_parses_and_streams_the_same(client, worker):
     assert text == whole.choices[0].message.content
 
 
+def test_completions_take_a_response_format_too(client, worker):
+    r = client.completions.create(
+        model=worker.model,
+        prompt="A JSON object describing a dog:",
+        max_tokens=60,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].text), dict)
+
+
 def _args(call, tool) -> dict:
     args = json.loads(call.function.arguments)
     jsonschema.validate(args, tool["function"]["parameters"])
