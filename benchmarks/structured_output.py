@@ -8,9 +8,10 @@
 2. Overhead: streamed TPOT with and without a ``json_schema`` constraint, at batch 1 and at
    batch 16, the two sides alternating round by round (ABAB) on the same worker so that a
    noisy machine hits both alike. Every request generates exactly 64 tokens (``ignore_eos``),
-   so the batch stays full on both sides; TPOT = (last time - first time) / (chunks - 1) over
-   a request's content chunks, for the constrained side only the chunks up to the end of its
-   JSON value (after it, the grammar allows nothing but EOS). Median over requests, printed
+   so the batch stays full on both sides; TPOT = (last time - first time) / (tokens - 1) over
+   a request's token chunks (``return_token_ids``: one chunk per token), for the constrained
+   side only the tokens up to the end of its JSON value (after it the grammar allows nothing
+   but EOS). Median over requests, printed
    side by side with the ratio (goal <= 1.15).
 
     PYTHONPATH=src .venv/bin/python benchmarks/structured_output.py \
@@ -122,12 +123,13 @@ async def stream_tpot(client, model: str, i: int, constrained: bool) -> float | 
         temperature=0,
         max_tokens=64,
         stream=True,
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
         **body,
     )
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            text += chunk.choices[0].delta.content
+        # With return_token_ids every token has its chunk, even one whose text is held back.
+        if chunk.choices and (chunk.choices[0].model_extra or {}).get("token_ids"):
+            text += chunk.choices[0].delta.content or ""
             times.append((time.perf_counter(), len(text)))
     if constrained:
         try:
@@ -156,7 +158,8 @@ async def run(url: str, args: argparse.Namespace) -> None:
     await bounded(
         2, 2, lambda i: check_schema(client, model, i)
     )  # warm-up (builds matchers' vocabulary)
-    for label, fn in (("json_schema", check_schema), ("tool_choice=required", check_tool)):
+    checks = (("json_schema", check_schema), ("tool_choice=required", check_tool))
+    for label, fn in checks if args.requests else ():
         start = time.perf_counter()
         failures = [
             f
@@ -172,7 +175,7 @@ async def run(url: str, args: argparse.Namespace) -> None:
         )
         for f in failures[:5]:
             print("   ", f)
-    for batch in (1, 16):
+    for batch in args.batches:
         t = await tpot(client, model, batch, args.rounds)
         plain, constrained = t["plain"], t["json_schema"]
         print(
@@ -183,10 +186,11 @@ async def run(url: str, args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--requests", type=int, default=200, help="per kind; 0: only TPOT")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="TPOT rounds per side and batch")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
     print(
