@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -33,8 +34,6 @@ from splitserve.models.tokenizer import Tokenizer  # noqa: E402
 
 def allowed_ids(bitmask: torch.Tensor, vocab: int) -> list[int]:
     bits = bitmask[0].view(torch.uint8).numpy()
-    import numpy as np
-
     flat = np.unpackbits(bits, bitorder="little")[:vocab]
     return np.flatnonzero(flat).tolist()
 
