@@ -263,6 +263,18 @@ def test_include_usage_and_max_completion_tokens(client, worker):
     assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].choices == []
 
 
+def _tool_with(parameters: dict, strict: bool) -> dict:
+    return {
+        "type": "function",
+        "function": {"name": "f", "strict": strict, "parameters": parameters},
+    }
+
+
+def test_a_non_strict_tool_whose_schema_cannot_be_enforced_is_served_unconstrained(client, worker):
+    r = chat(client, worker, "hi", max_tokens=4, tools=[_tool_with({"type": "wat"}, strict=False)])
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -287,6 +299,7 @@ def test_include_usage_and_max_completion_tokens(client, worker):
             "response_format",
         ),
         ({"top_logprobs": 2}, "top_logprobs"),
+        ({"tools": [_tool_with({"type": "wat"}, strict=True)]}, "tools"),
         ({"presence_penalty": 3}, "presence_penalty"),
     ],
 )

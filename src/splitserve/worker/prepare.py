@@ -95,9 +95,8 @@ def forced_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     if choice == "required":
         return tools
     if isinstance(choice, dict):
-        name = (
-            (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        )
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         named = [t for t in tools if t["function"]["name"] == name]
         if named:
             return named[:1]
@@ -130,11 +129,22 @@ def chat_grammar(req: ChatCompletionRequest) -> Grammar | None:
         if schema is not None:
             return json_grammar(schema.get("schema"))
         if offers_tools(req):
-            return tool_call_body(tools)
+            return _auto_tool_grammar(tools)
     except GrammarError as e:
         param = "tools" if schema is None else "response_format"
         raise bad_request(str(e), param=param) from e
     return None
+
+
+def _auto_tool_grammar(tools: list[dict[str, Any]]) -> Grammar | None:
+    """The body of any call the model opens, constrained; a schema that cannot be enforced
+    leaves the calls free (as they were before masks) unless a tool asked to be ``strict``."""
+    try:
+        return tool_call_body(tools)
+    except GrammarError:
+        if any(t["function"].get("strict") for t in tools):
+            raise
+        return None
 
 
 def _response_schema(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any] | None:

@@ -135,8 +135,11 @@ def _quote(text: str) -> str:
 
 
 def _lark(lark: str) -> str:
-    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    except Exception as e:  # the library's own checks; any failure is the schema's
+        raise GrammarError(f"the schema cannot be enforced: {e}") from e
     if is_error:
         raise GrammarError(f"the schema cannot be enforced: {messages[0].splitlines()[0]}")
     return grammar
