@@ -95,7 +95,10 @@ def _call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
 def _json(schema: dict[str, Any]) -> str:
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be an object")
-    return "%json " + json.dumps({**tightened(schema), "x-guidance": _JSON_FORMAT})
+    try:
+        return "%json " + json.dumps({**tightened(schema), "x-guidance": _JSON_FORMAT})
+    except RecursionError as e:
+        raise GrammarError("the schema is nested too deeply") from e
 
 
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
