@@ -72,10 +72,11 @@ def test_json_schema_output_validates(client, worker):
         "type": "json_schema",
         "json_schema": {"name": "ticket", "schema": TICKET, "strict": True},
     }
-    for prompt in ("My laptop is on fire, help!", "Please file a ticket about a typo."):
-        r = chat(client, worker, prompt, max_tokens=120, temperature=0, response_format=fmt)
-        assert r.choices[0].finish_reason == "stop"
-        jsonschema.validate(json.loads(r.choices[0].message.content), TICKET)
+    r = chat(
+        client, worker, "My laptop is on fire!", max_tokens=120, temperature=0, response_format=fmt
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), TICKET)
 
 
 def test_json_object_output_parses_and_streams_the_same(client, worker):

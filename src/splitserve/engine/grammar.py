@@ -7,11 +7,11 @@ reply; with one it constrains only what follows each occurrence of the trigger i
 (a tool call's body after ``<tool_call>``), and the text between stays free.
 
 Masks are computed on a helper thread while the model runs: a mask depends only on the tokens
-already consumed, which are known before the step starts, and llguidance drops the GIL while
-it computes. The step waits for the masks only after its logits exist::
+already consumed, which are known before the step starts, and llguidance computes them in
+native code. The step waits for the masks only after its logits exist::
 
     engine thread:  start(ids) ─┬─ model forward ──────────── apply(logits) ─ sample ─ advance
-    mask thread:                └─ compute masks (no GIL) ─┘
+    mask thread:                └─ compute masks (native) ─┘
 """
 
 from __future__ import annotations
