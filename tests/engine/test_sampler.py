@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.sampler import apply_top_k_top_p, sample
+from splitserve.engine.sampler import apply_penalties, apply_top_k_top_p, sample, token_logprobs
 
 VOCAB = 1000
 
@@ -76,3 +76,39 @@ def test_top_k_and_top_p_masks():
 def test_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="logit rows"):
         sample(logits(2), [SamplingParams()], [0])
+
+
+def test_presence_and_frequency_penalties_subtract_per_generated_token():
+    x = torch.zeros(2, VOCAB)
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(x, [p, SamplingParams()], [[1, 2], [3]], [[7, 7, 9], [7]])
+    assert out[0, 7].item() == pytest.approx(-(0.5 + 2 * 0.25))
+    assert out[0, 9].item() == pytest.approx(-(0.5 + 0.25))
+    assert out[0, 1].item() == 0  # prompt tokens are not penalized by these two
+    assert out[1].abs().sum().item() == 0  # the unpenalized row is untouched
+    assert x.abs().sum().item() == 0  # the input is not modified
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    x = torch.zeros(1, VOCAB)
+    x[0, 1], x[0, 2], x[0, 3] = 2.0, -2.0, 2.0
+    out = apply_penalties(x, [SamplingParams(repetition_penalty=2.0)], [[1]], [[2]])
+    assert out[0, :4].tolist() == [0.0, 1.0, -4.0, 2.0]
+
+
+def test_penalties_change_the_greedy_pick():
+    x = torch.zeros(1, VOCAB)
+    x[0, 5], x[0, 6] = 3.0, 2.5
+    p = SamplingParams(temperature=0, frequency_penalty=1.0)
+    assert sample(apply_penalties(x, [p], [[]], [[5]]), [p], [1]) == [6]
+
+
+def test_token_logprobs_of_the_pick_and_the_top():
+    x = logits(3, seed=4)
+    tokens = x.argmax(-1).tolist()
+    out = token_logprobs(x, tokens, [None, 0, 3])
+    assert out[0] is None and out[1].top == []
+    ref = x.log_softmax(-1)
+    assert out[2].logprob == pytest.approx(ref[2, tokens[2]].item(), abs=1e-6)
+    assert [t for t, _ in out[2].top] == ref[2].topk(3).indices.tolist()
+    assert out[2].top[0] == (tokens[2], pytest.approx(out[2].logprob))

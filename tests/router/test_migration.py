@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from splitserve.router.migration import IncompleteStream, StreamLog, StreamRelay
+from splitserve.router.migration import IncompleteStream, StreamLog, StreamRelay, resumable_request
 from splitserve.router.proxy import DECODE_HEADER
 
 from .conftest import HTTP
@@ -200,3 +200,22 @@ def test_client_that_asked_for_token_ids_keeps_them_across_a_migration(workers3,
     chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
     assert chunks[0]["prompt_token_ids"] == [97, 98]
     assert [i for c in chunks for i in c["choices"][0].get("token_ids", [])] == [2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize(
+    ("extra", "resumable"),
+    [
+        ({}, True),
+        ({"response_format": {"type": "text"}}, True),
+        ({"response_format": {"type": "json_object"}}, False),
+        ({"logprobs": True}, False),
+        ({"frequency_penalty": 0.5}, False),
+        ({"repetition_penalty": 1}, True),
+        ({"repetition_penalty": 1.2}, False),
+        ({"tools": [{"type": "function"}], "tool_choice": "none"}, True),
+        ({"tools": [{"type": "function"}]}, False),
+    ],
+)
+def test_streams_with_sampler_state_are_not_resumed_elsewhere(extra, resumable):
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, **extra}
+    assert resumable_request(body) is resumable

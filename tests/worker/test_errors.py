@@ -58,7 +58,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, words
             "stream_options",
             "stream",
         ),
-        (CHAT, {"messages": USER, "logprobs": True}, "logprobs", "not supported"),
+        (COMPLETIONS, {"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
         (CHAT, {"messages": USER, "max_tokens": MAX_MODEL_LEN}, "max_tokens", "context length"),
         (
             CHAT,

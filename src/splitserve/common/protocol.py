@@ -6,7 +6,8 @@ number) because a lax coercion would turn a client bug into a silently different
 Unknown fields are kept (``extra="allow"``) so that a proxy can forward them unchanged; the
 worker ignores them, as vLLM does.
 
-splitserve's extensions to the OpenAI schema, with vLLM's names: ``top_k``, ``ignore_eos``,
+splitserve's extensions to the OpenAI schema, with vLLM's names: ``top_k``,
+``repetition_penalty``, ``ignore_eos``,
 ``kv_transfer_params`` (the disaggregated-serving handshake, echoed back in responses) and
 ``kv_retention`` (``{"ttl_s": N}``: keep the conversation's KV pinned for N seconds) and
 ``return_token_ids``: responses then carry ``prompt_token_ids`` (top level; in a stream, on
@@ -82,6 +83,25 @@ class ToolDefinition(_Request):
     function: FunctionDefinition
 
 
+class JSONSchemaFormat(_Request):
+    model_config = ConfigDict(
+        strict=True, allow_inf_nan=False, extra="allow", populate_by_name=True
+    )
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: ``text`` (the default), ``json_object`` (any JSON
+    object) or ``json_schema`` (a JSON value valid under ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class KVRetention(_Request):
     """Extension: keep this conversation's KV cache pinned on the worker for ``ttl_s``
     seconds after the reply (the client is about to run a tool and come back)."""
@@ -103,8 +123,10 @@ class _SamplingFields(_Request):
     user: str | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    response_format: ResponseFormat | None = None
     # Extensions.
     top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     ignore_eos: bool = False
     kv_transfer_params: dict[str, Any] | None = None
     return_token_ids: bool = False
@@ -120,6 +142,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     tools: list[ToolDefinition] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's range
 
@@ -186,7 +209,7 @@ class ChatChoice(_Response):
     index: int = 0
     message: ResponseMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {"content": [{token, logprob, bytes, top_logprobs}]}
 
 
 class ChatCompletionResponse(_Response):
@@ -208,7 +231,7 @@ class ChatChunkChoice(_Response):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -224,7 +247,7 @@ class CompletionChoice(_Response):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {tokens, token_logprobs, top_logprobs, text_offset}
 
 
 class CompletionResponse(_Response):

@@ -11,6 +11,14 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k. A ``seed`` makes a
     sampled request reproducible regardless of what else shares its batch.
+
+    Penalties follow OpenAI and vLLM: ``presence_penalty`` is subtracted from the logit of
+    every token already generated, ``frequency_penalty`` times the number of times it was
+    generated; ``repetition_penalty`` (> 1 discourages) divides positive and multiplies
+    negative logits of every token in the prompt or the output. They apply before greedy
+    picks too. ``logprobs``: return the log-probability of each generated token and of its
+    ``logprobs`` most likely alternatives (None: nothing). ``grammar``: an llguidance grammar
+    the output must follow (``engine/grammar.py``), from ``grammar_trigger`` on if set.
     """
 
     max_tokens: int = 16
@@ -21,6 +29,12 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    grammar: str | None = None
+    grammar_trigger: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +70,25 @@ class SamplingParams:
             "stop_token_ids",
             "must be non-negative integers",
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(
+                _is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}"
+            )
+        _check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty!r}",
+        )
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            f"must be an integer in [0, 20], got {self.logprobs!r}",
+        )
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:

@@ -14,6 +14,7 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.erasure import ErasedBlocks, erase_blocks
 from splitserve.engine.outputs import CompletionOutput, KeptBlocks, RequestOutput
+from splitserve.engine.plan import StepResult, TokenLogprobs
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.tiering import RetentionConfig, Tiering
@@ -35,6 +36,7 @@ class _Request:
     seq: Sequence
     prompt: str | None
     detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs] | None = None  # so far, when the params ask for them
 
 
 class LLMEngine:
@@ -136,9 +138,14 @@ class LLMEngine:
             retention_s=retention_s,
             session_id=session_id,
         )
+        try:
+            self.runner.add_request(request_id, params, seq.token_ids)
+        except ValueError as e:
+            raise InvalidParameter("grammar", str(e)) from e
         self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer.decode, stop=list(params.stop))
-        self._requests[request_id] = _Request(seq, prompt, detok)
+        logprobs = [] if params.logprobs is not None else None
+        self._requests[request_id] = _Request(seq, prompt, detok, logprobs)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -254,6 +261,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
+            self.runner.remove_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -291,13 +299,17 @@ class LLMEngine:
         with self.lock:
             updates = self.scheduler.update(plan, result)
             self._start_copies()
-            return [out for u in updates if (out := self._process(u)) is not None]
+            return [out for u in updates if (out := self._process(u, result)) is not None]
 
-    def _process(self, update: SequenceUpdate) -> RequestOutput | None:
+    def _process(self, update: SequenceUpdate, result: StepResult) -> RequestOutput | None:
         if update.new_token is None:
             return None
         seq = update.seq
         request = self._requests[seq.request_id]
+        delta_logprobs = None
+        if request.logprobs is not None:
+            delta_logprobs = [result.logprobs[seq.request_id]]
+            request.logprobs.extend(delta_logprobs)
         detok = request.detokenizer
         delta = detok.update(seq.output_token_ids, final=update.finished)
         if detok.stopped and not update.finished:
@@ -306,17 +318,23 @@ class LLMEngine:
         kept = None
         if finished:
             del self._requests[seq.request_id]
+            self.runner.remove_request(seq.request_id)
             if seq.keep_blocks and seq.finish_reason != "abort":
                 kept = KeptBlocks(list(seq.block_table), list(seq.block_hashes))
         return RequestOutput(
             request_id=seq.request_id,
             prompt=request.prompt,
             prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, detok.text, seq.output_token_ids, seq.finish_reason)],
+            outputs=[
+                CompletionOutput(
+                    0, detok.text, seq.output_token_ids, seq.finish_reason, request.logprobs
+                )
+            ],
             finished=finished,
             num_cached_tokens=seq.num_cached_tokens,
             delta_text=delta,
             delta_token_ids=[update.new_token],
+            delta_logprobs=delta_logprobs,
             kept_blocks=kept,
         )
 

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.core_share import CoreShare
 from splitserve.engine.plan import ScheduledChunk, StepPlan, StepResult
-from splitserve.engine.sampler import sample
+from splitserve.engine.sampler import apply_penalties, sample, token_logprobs
 from splitserve.models.attention import (
     AttentionContext,
     DecodeGroup,
@@ -29,6 +30,7 @@ from splitserve.transfer.kv_pages import zero_blocks
 from splitserve.transfer.shm_cache import SharedKVCache
 
 if TYPE_CHECKING:
+    from splitserve.engine.grammar import GrammarMasks, PendingMasks
     from splitserve.models.fused_decode import FusedDecoder
 
 # Steps of fewer tokens than this run on one intra-op thread on plain weights (their weight
@@ -67,6 +69,14 @@ class _Batch:
     ctx: AttentionContext
     sample_rows: torch.Tensor
     sample_chunks: list[ScheduledChunk]
+
+
+@dataclass(slots=True)
+class _History:
+    """A penalized request's tokens: its prompt (for the repetition penalty) and outputs."""
+
+    prompt: list[int]
+    output: list[int]
 
 
 class ModelRunner:
@@ -128,6 +138,37 @@ class ModelRunner:
         self.fused: FusedDecoder | None = None
         self.core_share = CoreShare()  # the fused path's threads: those others leave free
         self.use_fused_decode(fused_decode)
+        # Per-request sampling state, for the requests that need some (add_request).
+        self.tokenizer = loaded.tokenizer
+        self._grammar: GrammarMasks | None = None  # made on the first constrained request
+        self._histories: dict[str, _History] = {}
+
+    def add_request(
+        self, request_id: str, params: SamplingParams, prompt_token_ids: list[int]
+    ) -> None:
+        """Set up what sampling a request needs beyond its params: its grammar's matcher
+        (``ValueError`` if the grammar does not compile), its penalties' token history.
+        ``remove_request`` drops it."""
+        if params.grammar is not None:
+            self.grammar_masks().add(request_id, params.grammar, params.grammar_trigger)
+        if params.penalized:
+            self._histories[request_id] = _History(list(prompt_token_ids), [])
+
+    def remove_request(self, request_id: str) -> None:
+        if self._grammar is not None:
+            self._grammar.remove(request_id)
+        self._histories.pop(request_id, None)
+
+    def grammar_masks(self) -> GrammarMasks:
+        """The runner's matchers (the first call builds llguidance's view of the vocabulary,
+        ~2 s for the bundled model)."""
+        if self._grammar is None:
+            from splitserve.engine.grammar import GrammarMasks  # imports llguidance
+
+            if self.tokenizer is None:
+                raise ValueError("constrained decoding needs the model's tokenizer")
+            self._grammar = GrammarMasks(self.tokenizer.hf, self.config.vocab_size)
+        return self._grammar
 
     def _paged_decode_available(self) -> bool:
         from splitserve.models import paged_decode  # imports numba: only when asked for
@@ -180,18 +221,48 @@ class ModelRunner:
         if self._fused_applies(plan):
             return self._execute_fused(plan)
         batch = self._prepare(plan)
+        masks = self._start_masks(batch.sample_chunks)
         with torch.inference_mode(), self._threads_for(plan.num_tokens):
             hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
             if not batch.sample_chunks:
                 return StepResult()
             logits = self.model.compute_logits(hidden[batch.sample_rows])
-            tokens = sample(
+            return self._sample(logits, batch.sample_chunks, masks)
+
+    def _start_masks(self, chunks: list[ScheduledChunk]) -> PendingMasks | None:
+        """Start the grammar masks of the rows to sample; they compute while the model runs."""
+        if self._grammar is None:
+            return None
+        return self._grammar.start([c.request_id for c in chunks])
+
+    def _sample(
+        self, logits: torch.Tensor, chunks: list[ScheduledChunk], masks: PendingMasks | None
+    ) -> StepResult:
+        """Penalties, grammar masks, sampling, log-probabilities (of the model's own
+        distribution, before penalties and masks, as vLLM reports them by default)."""
+        ids = [c.request_id for c in chunks]
+        params = [c.params for c in chunks]
+        processed = logits
+        if self._histories:
+            histories = [self._histories.get(rid) for rid in ids]
+            processed = apply_penalties(
                 logits,
-                [c.params for c in batch.sample_chunks],
-                [c.num_output_tokens for c in batch.sample_chunks],
+                params,
+                [h.prompt if h else None for h in histories],
+                [h.output if h else None for h in histories],
             )
+        if self._grammar is not None:
+            processed = self._grammar.apply(processed, masks)
+        tokens = sample(processed, params, [c.num_output_tokens for c in chunks])
+        logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
+        if self._grammar is not None:
+            self._grammar.advance(ids, tokens)
+        for rid, token in zip(ids, tokens, strict=True):
+            if (h := self._histories.get(rid)) is not None:
+                h.output.append(token)
         return StepResult(
-            {c.request_id: t for c, t in zip(batch.sample_chunks, tokens, strict=True)}
+            dict(zip(ids, tokens, strict=True)),
+            {rid: lp for rid, lp in zip(ids, logprobs, strict=True) if lp is not None},
         )
 
     def last_logits(self, plan: StepPlan) -> dict[str, torch.Tensor]:
@@ -216,16 +287,14 @@ class ModelRunner:
         )
 
     def _execute_fused(self, plan: StepPlan) -> StepResult:
-        logits = self._fused_logits(plan)
         rows = [i for i, c in enumerate(plan.chunks) if c.sample]
+        chunks = [plan.chunks[i] for i in rows]
+        masks = self._start_masks(chunks)
+        logits = self._fused_logits(plan)
         if not rows:
             return StepResult()
-        chunks = [plan.chunks[i] for i in rows]
         with torch.inference_mode(), self._threads_for(1, fused=True):
-            tokens = sample(
-                logits[rows], [c.params for c in chunks], [c.num_output_tokens for c in chunks]
-            )
-        return StepResult({c.request_id: t for c, t in zip(chunks, tokens, strict=True)})
+            return self._sample(logits[rows], chunks, masks)
 
     def _fused_logits(self, plan: StepPlan) -> torch.Tensor:
         """Logits of a decode-only step (one row per chunk, in plan order) on the fused path."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve.engine.plan import TokenLogprobs
+
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -11,6 +13,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort"
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the params ask for them
 
 
 @dataclass(slots=True)
@@ -36,4 +39,5 @@ class RequestOutput:
     # Streaming helpers: what this step added (text and tokens) since the previous output.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprobs] | None = None
     kept_blocks: KeptBlocks | None = None

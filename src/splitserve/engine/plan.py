@@ -7,6 +7,7 @@ cost model instead of a model runner.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from splitserve.common.sampling_params import SamplingParams
 
@@ -71,11 +72,26 @@ class StepPlan:
         return bool(self.chunks)
 
 
+class TokenLogprobs(NamedTuple):
+    """A sampled token's log-probability and its most likely alternatives ``(id, logprob)``."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass(slots=True)
 class StepResult:
-    """Sampled token per request id, for every chunk that had ``sample=True``."""
+    """Sampled token per request id, for every chunk that had ``sample=True``; and for those
+    whose params ask for ``logprobs``, the token's log-probabilities."""
 
     sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
-    def __init__(self, sampled: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        sampled: dict[str, int] | None = None,
+        logprobs: dict[str, TokenLogprobs] | None = None,
+    ) -> None:
         self.sampled = {} if sampled is None else sampled
+        self.logprobs = {} if logprobs is None else logprobs

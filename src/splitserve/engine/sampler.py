@@ -1,4 +1,5 @@
-"""Picking the next token per sequence from its logits: greedy, temperature, top-k, top-p.
+"""Picking the next token per sequence from its logits: penalties, greedy, temperature, top-k,
+top-p; and the log-probabilities of what was picked.
 
 Sampling uses the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. per vocab
 entry draws from ``p``. The noise for a seeded request comes from its own generator, seeded
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.plan import TokenLogprobs
 
 _SEED_MIX = 1_000_003
 _SEED_MASK = (1 << 63) - 1
@@ -94,3 +96,59 @@ def request_generator(
     g = torch.Generator(device=device)
     g.manual_seed((seed * _SEED_MIX + num_output_tokens) & _SEED_MASK)
     return g
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompts: Sequence[Sequence[int] | None],
+    outputs: Sequence[Sequence[int] | None],
+) -> torch.Tensor:
+    """``logits`` with each penalized row's presence, frequency and repetition penalties
+    applied (see ``SamplingParams``); ``prompts[i]`` and ``outputs[i]`` are row i's prompt
+    and generated ids. Returns ``logits`` itself when no row is penalized."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        p, row = params[i], logits[i]
+        out = torch.tensor(list(outputs[i] or ()), dtype=torch.long, device=logits.device)
+        if p.repetition_penalty != 1:
+            seen = torch.tensor(
+                sorted(set(prompts[i] or ()) | set(outputs[i] or ())),
+                dtype=torch.long,
+                device=logits.device,
+            )
+            values = row[seen]
+            penalty = p.repetition_penalty
+            row[seen] = torch.where(values > 0, values / penalty, values * penalty)
+        if out.numel() and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], num_top: Sequence[int | None]
+) -> list[TokenLogprobs | None]:
+    """Per row with ``num_top[i]`` set: the log-probability of ``tokens[i]`` under
+    ``log_softmax(logits[i])`` and the ``num_top[i]`` most likely tokens with theirs."""
+    out: list[TokenLogprobs | None] = [None] * len(tokens)
+    rows = [i for i, k in enumerate(num_top) if k is not None]
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = logits[index].float().log_softmax(dim=-1)
+    picked = torch.tensor([tokens[i] for i in rows], device=logits.device)
+    chosen = logprobs.gather(1, picked.unsqueeze(1)).squeeze(1).tolist()
+    k_max = max(num_top[i] for i in rows)
+    top_values, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
+    for j, i in enumerate(rows):
+        k = num_top[i]
+        top = []
+        if k:
+            top = list(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist(), strict=True))
+        out[i] = TokenLogprobs(tokens[i], chosen[j], top)
+    return out

@@ -92,8 +92,17 @@ def resumable_request(body: dict[str, Any]) -> bool:
 
     Not when the request offers tools: the worker holds back text that may be a tool call
     until the reply ends, so a resumed leg (plain ``/v1/completions``) could not rebuild the
-    calls. Such a stream is relayed as it is and ends with an error event on a failure."""
-    return not body.get("tools") or body.get("tool_choice") == "none"
+    calls. Nor when its sampling has state a resumed leg would not carry: a grammar
+    (``response_format``), penalties over the tokens so far, logprobs. Such a stream is
+    relayed as it is and ends with an error event on a failure."""
+    if body.get("tools") and body.get("tool_choice") != "none":
+        return False
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+        return False
+    if body.get("repetition_penalty") not in (None, 1):
+        return False
+    return not any(body.get(f) for f in ("logprobs", "presence_penalty", "frequency_penalty"))
 
 
 class StreamRelay:

@@ -24,15 +24,20 @@ from splitserve.common.protocol import (
 )
 from splitserve.common.sampling_params import InvalidParameter, SamplingParams
 from splitserve.worker.errors import APIError, bad_request, from_validation_error
+from splitserve.worker.structured import (
+    Grammar,
+    GrammarError,
+    json_grammar,
+    json_or_tool_calls,
+    tool_call_body,
+    tool_calls_grammar,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Below this a temperature only produces overflowing logits; treat it as greedy (as vLLM does).
 _GREEDY_BELOW = 1e-5
-# Tool calls in the output are not parsed yet, so a forced call ("required", a named
-# function) cannot be honoured; "auto" leaves the choice to the model, as the template does.
-_TOOL_CHOICES = (None, "auto", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +59,9 @@ class EngineInput:
 
 def chat_input(req: ChatCompletionRequest, model: ModelInfo) -> EngineInput:
     _check_common(req)
-    if req.logprobs:
-        raise bad_request("logprobs are not supported", param="logprobs")
-    if req.tool_choice not in _TOOL_CHOICES:
-        raise bad_request("only tool_choice 'auto' and 'none' are supported", param="tool_choice")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    grammar = chat_grammar(req)
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
     tools = None
     if offers_tools(req):  # as the client sent them: the router tokenizes the raw body
@@ -69,7 +73,9 @@ def chat_input(req: ChatCompletionRequest, model: ModelInfo) -> EngineInput:
     _check_prompt(ids, model, "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-    return EngineInput(ids, None, _sampling_params(req, ids, max_tokens, param, model))
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = _sampling_params(req, ids, max_tokens, param, model, logprobs, grammar)
+    return EngineInput(ids, None, params)
 
 
 def offers_tools(req: ChatCompletionRequest) -> bool:
@@ -77,9 +83,88 @@ def offers_tools(req: ChatCompletionRequest) -> bool:
     return bool(req.tools) and req.tool_choice != "none"
 
 
+def forced_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools one of which the reply must call (``tool_choice`` "required" or a named
+    function), as dicts; None when the model may answer in text."""
+    choice = req.tool_choice
+    if choice in (None, "auto", "none"):
+        return None
+    tools = [t.model_dump(exclude_unset=True) for t in req.tools or ()]
+    if not tools:
+        raise bad_request(f"tool_choice {choice!r} needs tools", param="tool_choice")
+    if choice == "required":
+        return tools
+    if isinstance(choice, dict):
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        named = [t for t in tools if t["function"]["name"] == name]
+        if named:
+            return named[:1]
+        raise bad_request(f"tool_choice names no offered function: {choice!r}", param="tool_choice")
+    raise bad_request(
+        "tool_choice must be 'none', 'auto', 'required' or "
+        '{"type": "function", "function": {"name": ...}}',
+        param="tool_choice",
+    )
+
+
+def chat_grammar(req: ChatCompletionRequest) -> Grammar | None:
+    """What the reply is constrained to: a JSON format, forced tool calls, or (tools offered
+    with ``auto``) the body of any call the model opens; None when it is free."""
+    forced = forced_tools(req)
+    schema = _response_schema(req)
+    try:
+        if forced is not None:
+            if schema is not None:
+                raise bad_request(
+                    "response_format cannot be combined with a forced tool_choice",
+                    param="response_format",
+                )
+            # One call unless parallel calls are asked for by name: a small model forced to
+            # call tools repeats its call until max_tokens cuts one in half.
+            return tool_calls_grammar(forced, parallel=req.parallel_tool_calls is True)
+        tools = [t.model_dump(exclude_unset=True) for t in req.tools or ()]
+        if offers_tools(req) and schema is not None:
+            return json_or_tool_calls(schema.get("schema"), tools)
+        if schema is not None:
+            return json_grammar(schema.get("schema"))
+        if offers_tools(req):
+            return _auto_tool_grammar(tools)
+    except GrammarError as e:
+        param = "tools" if schema is None else "response_format"
+        raise bad_request(str(e), param=param) from e
+    return None
+
+
+def _auto_tool_grammar(tools: list[dict[str, Any]]) -> Grammar | None:
+    """The body of any call the model opens, constrained; a schema that cannot be enforced
+    leaves the calls free (as they were before masks) unless a tool asked to be ``strict``."""
+    try:
+        return tool_call_body(tools)
+    except GrammarError:
+        if any(t["function"].get("strict") for t in tools):
+            raise
+        return None
+
+
+def _response_schema(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any] | None:
+    """``{"schema": ...}`` for a JSON ``response_format`` (schema None: any object)."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"schema": None}
+    if fmt.json_schema is None:
+        raise bad_request(
+            "response_format json_schema needs a json_schema object",
+            param="response_format.json_schema",
+        )
+    return {"schema": fmt.json_schema.schema_ or {}}
+
+
 def completion_input(req: CompletionRequest, model: ModelInfo) -> EngineInput:
     _check_common(req)
-    for name in ("echo", "suffix", "logprobs"):
+    for name in ("echo", "suffix"):
         if getattr(req, name):
             raise bad_request(f"{name} is not supported", param=name)
     if req.best_of not in (None, 1):
@@ -91,7 +176,13 @@ def completion_input(req: CompletionRequest, model: ModelInfo) -> EngineInput:
         text, ids = None, prompt
     _check_prompt(ids, model, "prompt")
     max_tokens = req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-    return EngineInput(ids, text, _sampling_params(req, ids, max_tokens, "max_tokens", model))
+    schema = _response_schema(req)
+    try:
+        grammar = json_grammar(schema["schema"]) if schema is not None else None
+    except GrammarError as e:
+        raise bad_request(str(e), param="response_format") from e
+    params = _sampling_params(req, ids, max_tokens, "max_tokens", model, req.logprobs, grammar)
+    return EngineInput(ids, text, params)
 
 
 def _check_common(req: _SamplingFields) -> None:
@@ -101,9 +192,6 @@ def _check_common(req: _SamplingFields) -> None:
         raise bad_request(
             "stream_options is only allowed when stream is true", param="stream_options"
         )
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise bad_request(f"{name} is not supported", param=name)
 
 
 def _single_prompt(prompt: str | list) -> str | list[int]:
@@ -175,7 +263,13 @@ def _check_prompt(ids: list[int], model: ModelInfo, param: str) -> None:
 
 
 def _sampling_params(
-    req: _SamplingFields, ids: list[int], max_tokens: int | None, param: str, model: ModelInfo
+    req: _SamplingFields,
+    ids: list[int],
+    max_tokens: int | None,
+    param: str,
+    model: ModelInfo,
+    logprobs: int | None = None,
+    grammar: Grammar | None = None,
 ) -> SamplingParams:
     room = model.max_model_len - len(ids)
     if max_tokens is None:
@@ -199,6 +293,12 @@ def _sampling_params(
             seed=req.seed,
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            logprobs=logprobs,
+            grammar=grammar.grammar if grammar else None,
+            grammar_trigger=grammar.trigger if grammar else None,
         )
     except InvalidParameter as e:
         raise bad_request(str(e), param=e.param) from e

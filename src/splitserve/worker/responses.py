@@ -26,6 +26,7 @@ from splitserve.common.protocol import (
 )
 from splitserve.engine.outputs import RequestOutput
 from splitserve.worker.async_engine import EngineError, RequestStream
+from splitserve.worker.logprobs import LogprobFormatter
 from splitserve.worker.metrics import RequestTracker
 from splitserve.worker.tool_calls import (
     ParsedReply,
@@ -55,14 +56,19 @@ def chat_response(
     kv_transfer_params: dict | None,
     token_ids: bool = False,
     tools: bool = False,
+    logprobs: LogprobFormatter | None = None,
+    parallel_tool_calls: bool = True,
 ) -> ChatCompletionResponse:
-    """``tools``: the request offered tools, so calls in the reply become ``tool_calls``."""
+    """``tools``: the request offered tools, so calls in the reply become ``tool_calls`` (only
+    the first without ``parallel_tool_calls``). ``logprobs``: the request asked for them."""
     completion = out.outputs[0]
     top, per_choice = token_id_fields(out, token_ids)
     reply = parse_tool_calls(completion.text) if tools else ParsedReply(completion.text)
+    calls = reply.tool_calls if parallel_tool_calls else reply.tool_calls[:1]
     choice = ChatChoice(
-        message=ResponseMessage(content=reply.content, tool_calls=reply.tool_calls),
-        finish_reason=finish_reason_with_calls(completion.finish_reason, reply.tool_calls),
+        message=ResponseMessage(content=reply.content, tool_calls=calls),
+        finish_reason=finish_reason_with_calls(completion.finish_reason, calls),
+        logprobs=_logprobs_of(out, logprobs, chat=True),
         **per_choice,
     )
     return ChatCompletionResponse(
@@ -81,11 +87,15 @@ def completion_response(
     out: RequestOutput,
     kv_transfer_params: dict | None,
     token_ids: bool = False,
+    logprobs: LogprobFormatter | None = None,
 ) -> CompletionResponse:
     completion = out.outputs[0]
     top, per_choice = token_id_fields(out, token_ids)
     choice = CompletionChoice(
-        text=completion.text, finish_reason=completion.finish_reason, **per_choice
+        text=completion.text,
+        finish_reason=completion.finish_reason,
+        logprobs=_logprobs_of(out, logprobs, chat=False),
+        **per_choice,
     )
     return CompletionResponse(
         id=request_id,
@@ -95,6 +105,13 @@ def completion_response(
         kv_transfer_params=kv_transfer_params,
         **top,
     )
+
+
+def _logprobs_of(out: RequestOutput, fmt: LogprobFormatter | None, chat: bool) -> dict | None:
+    entries = out.outputs[0].logprobs
+    if fmt is None or entries is None:
+        return None
+    return fmt.chat(entries) if chat else fmt.completion(entries)
 
 
 async def collect(stream: RequestStream, tracker: RequestTracker) -> RequestOutput:
@@ -150,17 +167,23 @@ class _Chunks:
         finish_reason: str | None,
         role: bool = False,
         token_ids: list[int] | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> str:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         else:
             choice = {
                 "index": 0,
                 "text": text or "",
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         if token_ids is not None:
@@ -201,6 +224,8 @@ async def sse_events(
     prompt_token_ids: list[int] | None = None,
     tools: bool = False,
     on_tool_calls: Callable[[RequestOutput], Awaitable[None]] | None = None,
+    logprobs: LogprobFormatter | None = None,
+    parallel_tool_calls: bool = True,
 ) -> AsyncIterator[str]:
     """The server-sent events of one streamed completion, ending with ``data: [DONE]``.
 
@@ -208,18 +233,31 @@ async def sse_events(
     them and every token gets a chunk with its ids, even one whose text is held back (empty):
     a reader must see every generated id to resume the stream elsewhere. With ``tools``,
     text that may be a tool call is held back and sent at the end as ``tool_calls``, and
-    ``on_tool_calls`` runs once they are sent.
+    ``on_tool_calls`` runs once they are sent (only the first call without
+    ``parallel_tool_calls``). With ``logprobs`` every token's chunk carries its
+    log-probabilities, even when its text is held back.
     """
     chunks = _Chunks(request_id, model, chat, include_usage, prompt_token_ids)
     with_ids = prompt_token_ids is not None
     calls = ToolCallStream() if tools else None
+    offset = 0  # text completions: where the next token's text starts
     if chat:
         yield chunks.choice("", None, role=True)
     try:
         async for out in stream:
             tracker.on_output(out)
             text = calls.feed(out.delta_text) if calls else out.delta_text
-            if with_ids and out.delta_token_ids:
+            lp = None
+            if logprobs is not None and out.delta_logprobs:
+                if chat:
+                    lp = logprobs.chat(out.delta_logprobs)
+                else:
+                    lp = logprobs.completion(out.delta_logprobs, offset)
+                    offset += sum(len(t) for t in lp["tokens"])
+            if lp is not None:
+                ids = out.delta_token_ids if with_ids else None
+                yield chunks.choice(text, None, token_ids=ids, logprobs=lp)
+            elif with_ids and out.delta_token_ids:
                 yield chunks.tokens(text, out.delta_token_ids)
             elif text:
                 yield chunks.text(text)
@@ -229,11 +267,12 @@ async def sse_events(
                     reply = calls.finish()
                     if reply.content:
                         yield chunks.text(reply.content)
-                    if reply.tool_calls:
-                        yield chunks.tool_calls(reply.tool_calls)
+                    found = reply.tool_calls if parallel_tool_calls else reply.tool_calls[:1]
+                    if found:
+                        yield chunks.tool_calls(found)
                         if on_tool_calls is not None:
                             await on_tool_calls(out)
-                    finish_reason = finish_reason_with_calls(finish_reason, reply.tool_calls)
+                    finish_reason = finish_reason_with_calls(finish_reason, found)
                 yield chunks.choice(None if chat else "", finish_reason)
                 if include_usage:
                     yield chunks.usage(out)

@@ -42,6 +42,7 @@ from splitserve.worker.kv_api import (
     tool_call_pin,
 )
 from splitserve.worker.kv_owners import owners_for
+from splitserve.worker.logprobs import LogprobFormatter
 from splitserve.worker.metrics import WorkerMetrics
 from splitserve.worker.prepare import (
     EngineInput,
@@ -240,6 +241,8 @@ async def _serve(
     stream = CountedStream(stream, ticket, len(inp.prompt_token_ids))
     stream = own_stream(request, req, request_id, inp.prompt_token_ids, stream)
     tracker = metrics.track(lambda out: _note_usage(request, out))
+    logprobs = LogprobFormatter(model.tokenizer) if inp.params.logprobs is not None else None
+    parallel = getattr(req, "parallel_tool_calls", None) is not False
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         prompt_ids = inp.prompt_token_ids if req.return_token_ids else None
@@ -253,6 +256,8 @@ async def _serve(
             prompt_ids,
             tools,
             on_tool_calls,
+            logprobs,
+            parallel,
         )
         return SSEResponse(events, headers={"Cache-Control": "no-cache"})
     try:
@@ -265,11 +270,22 @@ async def _serve(
     if out.kept_blocks is not None and kv.prefill is not None:
         params = kv.prefill.grant(request_id, out.kept_blocks, len(out.prompt_token_ids))
     if chat:
-        response = chat_response(request_id, model.name, out, params, req.return_token_ids, tools)
+        response = chat_response(
+            request_id,
+            model.name,
+            out,
+            params,
+            req.return_token_ids,
+            tools,
+            logprobs,
+            parallel,
+        )
         if on_tool_calls and response.choices[0].finish_reason == "tool_calls":
             await on_tool_calls(out)
     else:
-        response = completion_response(request_id, model.name, out, params, req.return_token_ids)
+        response = completion_response(
+            request_id, model.name, out, params, req.return_token_ids, logprobs
+        )
     return JSONResponse(response.model_dump())
 
 
