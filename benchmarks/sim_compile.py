@@ -51,6 +51,7 @@ MODULES = [
     "splitserve/engine/plan.py",
     "splitserve/engine/scheduler.py",
     "splitserve/engine/sequence.py",
+    "splitserve/router/placement.py",
     "splitserve/router/ring.py",
     "splitserve/router/worker.py",
     "splitserve/router/policies/__init__.py",

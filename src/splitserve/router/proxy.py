@@ -39,6 +39,13 @@ from splitserve.router.migration import (
     StreamRelay,
     resumable_request,
 )
+from splitserve.router.placement import (
+    Decision,
+    PlacementRules,
+    Uncached,
+    place,
+    uncached_from_body,
+)
 from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.policies.session import SyncedRing
 from splitserve.router.replies import Buffered, Reply, Streamed
@@ -76,11 +83,12 @@ class WorkerFailed(Exception):
 
 
 @dataclass(slots=True)
-class Placement:
-    """Where one request runs, decided before any byte is sent."""
+class Forwarding:
+    """One request on its way: what the policies know of it, and what its legs need."""
 
     info: RequestInfo
-    home: str | None  # the session's home worker (metrics only)
+    home: str | None  # the session's home worker
+    uncached: Uncached = Uncached(0.0, 0.0)
     prefill: Worker | None = None
     kv_params: dict[str, Any] | None = None
     # Streamed requests: what was delivered, so the stream can move to another worker.
@@ -114,6 +122,9 @@ class Proxy:
         self.client = client
         self.metrics = metrics
         self._home_ring = SyncedRing(config.vnodes)  # over all decode members, healthy or not
+        self.rules = PlacementRules(
+            config.disaggregate, config.remote_prefill_threshold, config.kv_peer_fetch
+        )
         self._hints: set[asyncio.Future] = set()
 
     async def completion(
@@ -136,38 +147,40 @@ class Proxy:
             del body[name]
         timeline.parsed = now()
         headers = self._forward_headers(client_headers)
-        placement = self._place(client_headers, body, timeline)
-        placement.tenant = tenant
+        forwarding = self._place(client_headers, body, timeline)
+        forwarding.tenant = tenant
         if admission is not None:
-            admission.admit(placement.info.session_key)
-        excluded: list[str] = []
-        decode = self._pick("decode", placement.info, excluded)
-        if decode is None:
+            admission.admit(forwarding.info.session_key)
+        decision = self._decide(forwarding)
+        if decision is None:
             raise no_worker("decode")
-        placement.predicted = self._predicted(decode, placement.info)
+        decode = decision.decode
+        excluded = [decode.url]
+        forwarding.predicted = self._predicted(decode, forwarding.info)
         timeline.routed = now()
-        if self.config.prefetch_hints and placement.info.session_key is not None:
+        if self.config.prefetch_hints and forwarding.info.session_key is not None:
             self._prefetch_hint(decode, body, headers, tenant)
-        if self.config.disaggregate:
-            await self._remote_prefill(path, body, headers, placement, decode)
+        if self.rules.disaggregate:
+            await self._prefill_leg(path, body, headers, forwarding, decision)
         added: dict[str, Any] = {}  # the router's fields in the forwarded body
-        if placement.kv_params is not None:
-            added.update(disagg.decode_fields(placement.kv_params))
-        elif self.config.kv_peer_fetch:
-            added.update(self._peer_hint(decode, placement))
+        if forwarding.kv_params is not None:
+            added.update(disagg.decode_fields(forwarding.kv_params))
+        elif decision.peer is not None and decision.peer.healthy:  # still, after a prefill leg
+            self.metrics.kv_peer_hints.inc()
+            added[PEER_FIELD] = decision.peer.url
         stream = body.get("stream") is True
         if stream and resumable_request(body):
             log = StreamLog.of(body, chat=path.endswith("/chat/completions"))
-            placement.relay = StreamRelay(log, body)
-            placement.headers, placement.excluded = headers, excluded
+            forwarding.relay = StreamRelay(log, body)
+            forwarding.headers, forwarding.excluded = headers, excluded
             added.update(TOKEN_IDS_FIELD)
         payload = forwarded(raw, body, added, bool(client_written))
         return await self._with_retries(
             "decode",
-            placement,
+            forwarding,
             excluded,
             decode,
-            lambda w: self._send(w, "POST", path, payload, headers, stream, placement),
+            lambda w: self._send(w, "POST", path, payload, headers, stream, forwarding),
         )
 
     def _prefetch_hint(
@@ -196,23 +209,13 @@ class Proxy:
         self._hints.add(task)  # keep a reference until it is done
         task.add_done_callback(self._hints.discard)
 
-    def _peer_hint(self, decode: Worker, placement: Placement) -> dict[str, str]:
-        """A turn placed off its session's healthy home names the home, whose KV of the
-        conversation the chosen worker then pulls instead of recomputing it (the field to
-        add to the body; none otherwise)."""
-        home = self.membership.get(placement.home) if placement.home is not None else None
-        if home is None or home.url == decode.url or not home.healthy:
-            return {}
-        self.metrics.kv_peer_hints.inc()
-        return {PEER_FIELD: home.url}
-
     async def models(
         self, client_headers: Mapping[str, str], tenant: str, timeline: Timeline
     ) -> Reply:
         """``GET /v1/models`` from any healthy worker."""
         info = RequestInfo()
         headers = self._forward_headers(client_headers)
-        placement = Placement(info, None, timeline=timeline, tenant=tenant)
+        forwarding = Forwarding(info, None, timeline=timeline, tenant=tenant)
         timeline.parsed = timeline.handler
         excluded: list[str] = []
         first = self._pick("decode", info, excluded)
@@ -220,27 +223,46 @@ class Proxy:
             raise no_worker("decode")
         return await self._with_retries(
             "decode",
-            placement,
+            forwarding,
             excluded,
             first,
-            lambda w: self._send(w, "GET", "/v1/models", None, headers, False, placement),
+            lambda w: self._send(w, "GET", "/v1/models", None, headers, False, forwarding),
         )
 
     def _place(
         self, client_headers: Mapping[str, str], body: dict[str, Any], timeline: Timeline
-    ) -> Placement:
+    ) -> Forwarding:
+        """What the policies may know of the request, and its session's home."""
         key = session_key(client_headers, body, self.config.prefix_chars)
+        uncached = uncached_from_body(body, self.config.chars_per_token, self.rules.disaggregate)
         info = RequestInfo(
             session_key=None if key is None else key.key,
             prefix_key=prefix_key(body, self.config.prefix_chars),
-            prompt_tokens=int(disagg.uncached_chars(body, False) / self.config.chars_per_token),
+            prompt_tokens=int(uncached.elsewhere),
             prompt_token_ids=None if self.tokenizer is None else self.tokenizer.request_ids(body),
         )
         home = None
         if info.session_key is not None:
             ring = self._home_ring.sync([w for w in self.membership.all() if w.serves("decode")])
             home = ring.owner(info.session_key)
-        return Placement(info, home, timeline=timeline)
+        return Forwarding(info, home, uncached, timeline=timeline)
+
+    def _decide(self, forwarding: Forwarding) -> Decision | None:
+        """The forwarding decision (``placement.place``) over the healthy members."""
+        home = self.membership.get(forwarding.home) if forwarding.home is not None else None
+        return place(
+            forwarding.info,
+            self.membership.candidates("decode"),
+            self._prefill_candidates,
+            self.policies["decode"],
+            self.policies["prefill"],
+            home,
+            forwarding.uncached,
+            self.rules,
+        )
+
+    def _prefill_candidates(self, decode: Worker) -> list[Worker]:
+        return self.membership.candidates("prefill", [decode.url])
 
     def _predicted(self, worker: Worker, info: RequestInfo) -> tuple[str, int] | None:
         index = getattr(self.policies["decode"], "index", None)  # the kv-events policy's
@@ -257,7 +279,7 @@ class Proxy:
     async def _with_retries(
         self,
         role: str,
-        placement: Placement,
+        forwarding: Forwarding,
         excluded: list[str],
         first: Worker,
         send: Callable[[Worker], Awaitable[Reply]],
@@ -277,7 +299,7 @@ class Proxy:
                 if e.dropped and worker.healthy and not redialled:
                     redialled = True  # the same worker once more, over another connection
                     continue
-                worker = self._pick(role, placement.info, excluded)
+                worker = self._pick(role, forwarding.info, excluded)
         if not errors:
             raise no_worker(role)
         raise RouterError(
@@ -292,7 +314,7 @@ class Proxy:
         payload: bytes | None,
         headers: dict[str, str],
         stream: bool,
-        placement: Placement,
+        forwarding: Forwarding,
     ) -> Reply:
         role = "decode"
         self.metrics.sent(worker.url, role)
@@ -311,27 +333,27 @@ class Proxy:
             if upstream is not None:
                 upstream.release()  # back to the pool when fully read, else closed
             worker.in_flight -= 1
-            self.policies[role].on_request_complete(worker, placement.info)
+            self.policies[role].on_request_complete(worker, forwarding.info)
 
         try:
-            signed = self.vouch.headers(headers, placement.tenant, method, path, payload)
+            signed = self.vouch.headers(headers, forwarding.tenant, method, path, payload)
             upstream = await self.client.request(method, worker.url, path, signed, payload)
-            timeline = placement.timeline
+            timeline = forwarding.timeline
             headers_at = now()
             self.metrics.latency.observe(headers_at - started)
             if upstream.status >= 500:
                 raise WorkerFailed(f"HTTP {upstream.status}")
             if not stream or upstream.status >= 400:
                 content = await upstream.read()
-                self._succeeded(worker, role, placement)
+                self._succeeded(worker, role, forwarding)
                 await close_once()
                 if timeline is not None:
                     timeline.headers, timeline.upstream_first = headers_at, now()
                 return Buffered(
                     upstream.status,
-                    self._headers(upstream, worker, placement, headers),
+                    self._headers(upstream, worker, forwarding, headers),
                     content,
-                    placement.info.session_key,
+                    forwarding.info.session_key,
                 )
             first = await upstream.piece()
             if not first:
@@ -344,51 +366,55 @@ class Proxy:
             if isinstance(e, WorkerFailed):
                 raise
             raise WorkerFailed(str(e), dropped=upstream is None and dropped(e)) from e
-        self._succeeded(worker, role, placement)
+        self._succeeded(worker, role, forwarding)
         return Streamed(
             upstream.status,
-            self._headers(upstream, worker, placement, headers),
-            Leg(first, upstream, placement.relay),
-            lambda failure: self._after(failure, worker, placement),
+            self._headers(upstream, worker, forwarding, headers),
+            Leg(first, upstream, forwarding.relay),
+            lambda failure: self._after(failure, worker, forwarding),
             close_once,
-            placement.info.session_key,
+            forwarding.info.session_key,
         )
 
     async def _after(
-        self, failure: Exception, worker: Worker, placement: Placement
+        self, failure: Exception, worker: Worker, forwarding: Forwarding
     ) -> AsyncIterator[bytes]:
         """What the client gets when the first leg broke after its first byte: the client
         already has part of the answer, so it is resumed elsewhere, not retried."""
         self._failed(worker, "decode", failure)
         self.metrics.midstream_failures.inc()
-        if placement.relay is None:  # relayed as it was: nothing to resume from
+        if forwarding.relay is None:  # relayed as it was: nothing to resume from
             yield _error_event("the decode worker failed mid-stream")
             return
-        async for out in self._migrate(placement):
+        async for out in self._migrate(forwarding):
             yield out
 
-    async def _migrate(self, placement: Placement) -> AsyncIterator[bytes]:
+    async def _migrate(self, forwarding: Forwarding) -> AsyncIterator[bytes]:
         """Continue a broken stream on the session's next decode workers, one leg each."""
-        relay, excluded = placement.relay, placement.excluded
+        relay, excluded = forwarding.relay, forwarding.excluded
         assert relay is not None and excluded is not None
         if relay.log.finish_reason is not None:  # only the usage and [DONE] were lost
             for out in relay.finish_locally():
                 yield out
             return
         for _ in range(self.config.max_retries + 1):
-            worker = self._pick("decode", placement.info, excluded) if relay.log.resumable else None
+            worker = (
+                self._pick("decode", forwarding.info, excluded) if relay.log.resumable else None
+            )
             if worker is None:
                 break
             self.metrics.migrations.inc()
             log.warning("resuming a stream on %s", worker.url)
             try:
-                remaining = relay.remaining(await self._max_model_len(worker, relay.log, placement))
+                remaining = relay.remaining(
+                    await self._max_model_len(worker, relay.log, forwarding)
+                )
                 if remaining <= 0:
                     for out in relay.finish_locally():
                         yield out
                     return
                 payload = json.dumps(relay.resume_body(remaining)).encode()
-                async with self._leg(worker, payload, placement) as upstream:
+                async with self._leg(worker, payload, forwarding) as upstream:
                     # SSE comments are ignored by clients; this one helps debugging and tests.
                     yield f": splitserve migrated to {worker.url}\n\n".encode()
                     async for out in relay.relay(_pieces(upstream)):
@@ -400,15 +426,17 @@ class Proxy:
 
     @asynccontextmanager
     async def _leg(
-        self, worker: Worker, payload: bytes, placement: Placement
+        self, worker: Worker, payload: bytes, forwarding: Forwarding
     ) -> AsyncIterator[Response]:
         """One resumed leg's upstream stream, counted in the worker's load while it runs."""
         self.metrics.sent(worker.url, "decode")
         worker.in_flight += 1
         try:
-            assert placement.headers is not None
+            assert forwarding.headers is not None
             path = "/v1/completions"
-            headers = self.vouch.headers(placement.headers, placement.tenant, "POST", path, payload)
+            headers = self.vouch.headers(
+                forwarding.headers, forwarding.tenant, "POST", path, payload
+            )
             upstream = await self.client.request("POST", worker.url, path, headers, payload)
             try:
                 if upstream.status != 200:
@@ -419,17 +447,17 @@ class Proxy:
                 upstream.release()
         finally:
             worker.in_flight -= 1
-            self.policies["decode"].on_request_complete(worker, placement.info)
+            self.policies["decode"].on_request_complete(worker, forwarding.info)
 
     async def _max_model_len(
-        self, worker: Worker, stream: StreamLog, placement: Placement
+        self, worker: Worker, stream: StreamLog, forwarding: Forwarding
     ) -> int | None:
         """The worker's context length, needed only when the client set no ``max_tokens``."""
         if stream.max_tokens is not None:
             return None
-        assert placement.headers is not None
+        assert forwarding.headers is not None
         path = "/v1/models"
-        headers = self.vouch.headers(placement.headers, placement.tenant, "GET", path, None)
+        headers = self.vouch.headers(forwarding.headers, forwarding.tenant, "GET", path, None)
         r = await self.client.request("GET", worker.url, path, headers)
         try:
             body = await r.read()
@@ -439,29 +467,24 @@ class Proxy:
             raise WorkerFailed(f"HTTP {r.status} from /v1/models")
         return int(json.loads(body)["data"][0]["max_model_len"])
 
-    async def _remote_prefill(
+    async def _prefill_leg(
         self,
         path: str,
         body: dict[str, Any],
         headers: dict[str, str],
-        placement: Placement,
-        decode: Worker,
+        forwarding: Forwarding,
+        decision: Decision,
     ) -> None:
-        on_home = decode.url == placement.home
-        tokens = disagg.uncached_chars(body, on_home) / self.config.chars_per_token
-        if tokens < self.config.remote_prefill_threshold:
-            self.metrics.remote_prefills.labels("skipped").inc()
-            return
-        excluded = [decode.url]
-        worker = self._pick("prefill", placement.info, excluded)
+        worker = decision.prefill
         if worker is None:
-            self.metrics.remote_prefills.labels("fallback").inc()
+            outcome = "fallback" if decision.remote_prefill else "skipped"
+            self.metrics.remote_prefills.labels(outcome).inc()
             return
         payload = json.dumps(disagg.prefill_body(body)).encode()
         self.metrics.sent(worker.url, "prefill")
         params = None
         try:
-            signed = self.vouch.headers(headers, placement.tenant, "POST", path, payload)
+            signed = self.vouch.headers(headers, forwarding.tenant, "POST", path, payload)
             r = await self.client.request("POST", worker.url, path, signed, payload)
             try:
                 answer = await r.read()
@@ -475,12 +498,12 @@ class Proxy:
         # Without params the decode worker simply prefills locally: slower, never wrong.
         self.metrics.remote_prefills.labels("ok" if params else "fallback").inc()
         if params is not None:
-            placement.prefill, placement.kv_params = worker, params
+            forwarding.prefill, forwarding.kv_params = worker, params
 
-    def _succeeded(self, worker: Worker, role: str, placement: Placement) -> None:
+    def _succeeded(self, worker: Worker, role: str, forwarding: Forwarding) -> None:
         self.membership.report(worker.url, ok=True)
-        if role == "decode" and placement.info.session_key is not None:
-            self.metrics.turn(placement.info.session_key, worker.url, placement.home)
+        if role == "decode" and forwarding.info.session_key is not None:
+            self.metrics.turn(forwarding.info.session_key, worker.url, forwarding.home)
 
     def _failed(self, worker: Worker, role: str, error: Exception) -> None:
         log.warning("%s worker %s failed: %r", role, worker.url, error)
@@ -505,18 +528,18 @@ class Proxy:
         return headers
 
     def _headers(
-        self, upstream: Response, worker: Worker, placement: Placement, sent: dict[str, str]
+        self, upstream: Response, worker: Worker, forwarding: Forwarding, sent: dict[str, str]
     ) -> dict[str, str]:
         out = {k: upstream.headers[k] for k in _PASSED_RESPONSE_HEADERS if k in upstream.headers}
         out["x-request-id"] = sent["x-request-id"]
         out[DECODE_HEADER] = worker.url
         # The KV index matches token ids, blind to salts: what it predicts may be another
         # tenant's blocks, so only the default tenant is told.
-        predicted = placement.predicted if placement.tenant == DEFAULT_TENANT else None
+        predicted = forwarding.predicted if forwarding.tenant == DEFAULT_TENANT else None
         if predicted is not None and predicted[0] == worker.url:
             out[PREDICTED_HEADER] = str(predicted[1])
-        if placement.prefill is not None:
-            out[PREFILL_HEADER] = placement.prefill.url
+        if forwarding.prefill is not None:
+            out[PREFILL_HEADER] = forwarding.prefill.url
         return out
 
 

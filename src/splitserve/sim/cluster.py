@@ -29,6 +29,7 @@ from splitserve.common.kv_hash import BlockChain, root_hash
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerConfig
 from splitserve.engine.sequence import Sequence
+from splitserve.router.placement import Decision, PlacementRules, Uncached, place
 from splitserve.router.policies import RequestInfo
 from splitserve.router.worker import Worker
 from splitserve.sim.chat import append_message, append_prompt, append_reply, rendered
@@ -101,6 +102,9 @@ class Cluster:
         self.by_router = {id(w.router): w for w in self.workers}
         self.decode_policy = config.routing_policy(config.policy)
         self.prefill_policy = config.routing_policy(config.prefill_policy)
+        self.rules = PlacementRules(
+            bool(self.prefill_pool), config.remote_prefill_threshold, config.kv_peer_fetch
+        )
         self._sessions: Iterator[SessionSpec] = iter(())
         self._fed: FedSessions | None = None
         self._contexts: dict[str, list[int]] = {}
@@ -249,13 +253,10 @@ class Cluster:
             self._place(req, new_tokens)
 
     def _place(self, req: SimRequest, new_tokens: int) -> None:
-        d = self.by_router[id(self.decode_policy.select_worker(self.decode_candidates, req.info))]
-        req.decode = d
-        if self.prefill_pool and self._uncached(req, d, new_tokens) >= (
-            self.config.remote_prefill_threshold
-        ):
-            p_router = self.prefill_policy.select_worker(self._prefill_candidates, req.info)
-            req.prefill = p = self.by_router[id(p_router)]
+        decision = self.decide(req, new_tokens)
+        req.decode = d = self.by_router[id(decision.decode)]
+        if decision.prefill is not None:
+            req.prefill = p = self.by_router[id(decision.prefill)]
             p.router.in_flight += 1
             seq = self.sequence(req.rid + PREFILL_SUFFIX, req, 1, keep_blocks=True)
             self.outputs[seq.request_id] = self.outputs[req.rid]
@@ -264,7 +265,7 @@ class Cluster:
         else:
             d.router.in_flight += 1
             seq = self.sequence(req.rid, req, len(self.outputs[req.rid]))
-            home = self.moves.peer_home(req, d)
+            home = None if decision.peer is None else self.by_router[id(decision.peer)]
             if home is None or len(req.prompt) >= self.max_model_len:
                 self.admit(d, seq, req)
             else:
@@ -272,13 +273,28 @@ class Cluster:
                 self.on_engine_now(d, lambda: self.moves.peer_fetch(req, home, d, seq), blocks)
             self.stats.local_prefills += 1
 
-    def _uncached(self, req: SimRequest, d: SimWorker, new_tokens: int) -> int:
-        """The router's estimate: on its home worker a session has everything up to its
-        last reply cached (what the previous turn left); elsewhere nothing."""
-        if req.turn == 0:
-            return len(req.prompt)
+    def decide(self, req: SimRequest, new_tokens: int) -> Decision:
+        """The router's placement of ``req`` (``router.placement``). The uncached estimate
+        is the router's: on its home a session has everything up to its last reply cached
+        (what the previous turn left), elsewhere nothing; ``new_tokens`` is what followed."""
+        prompt = len(req.prompt)
         home = self.decode_policy.home_worker(self.decode_candidates, req.info)
-        return new_tokens if home is d.router else len(req.prompt)
+        uncached = Uncached(prompt if req.turn == 0 else new_tokens, prompt)
+        decision = place(
+            req.info,
+            self.decode_candidates,
+            self._prefill_for,
+            self.decode_policy,
+            self.prefill_policy,
+            home,
+            uncached,
+            self.rules,
+        )
+        assert decision is not None, "a simulated deployment has decode workers"
+        return decision
+
+    def _prefill_for(self, decode: Worker) -> tuple[Worker, ...]:
+        return self._prefill_candidates  # the prefill pool never decodes
 
     def sequence(
         self, rid: str, req: SimRequest, max_tokens: int, keep_blocks: bool = False

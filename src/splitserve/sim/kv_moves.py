@@ -120,15 +120,6 @@ class KVMoves:
 
     # ---- peer KV fetch: a moved turn pulls its session's KV from the home ----------------
 
-    def peer_home(self, req: SimRequest, d: SimWorker) -> SimWorker | None:
-        """The session's home, when the ring placed this turn on another worker and the
-        router names the home to pull from (``kv_peer_fetch``)."""
-        c = self.c
-        if not c.config.kv_peer_fetch:
-            return None
-        home = c.decode_policy.home_worker(c.decode_candidates, req.info)
-        return None if home is None or home is d.router else c.by_router[id(home)]
-
     def peer_fetch(self, req: SimRequest, home: SimWorker, d: SimWorker, seq: Sequence) -> None:
         """D's engine: what it holds of the prompt. With all it could reuse held here, the
         request runs at once; else D asks the home for a lease on what the home holds."""
