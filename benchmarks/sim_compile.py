@@ -42,8 +42,8 @@ MYPY_CONFIG = (
     f"[mypy-{','.join(f'{m}.*' for m in SKIPPED.split())}]\nfollow_imports = skip\n"
 )
 MODULES = [
-    "splitserve/bench/metrics.py",
-    "splitserve/bench/workloads.py",
+    "splitserve/workload/metrics.py",
+    "splitserve/workload/sessions.py",
     "splitserve/common/kv_hash.py",
     "splitserve/common/sampling_params.py",
     "splitserve/engine/block_manager.py",

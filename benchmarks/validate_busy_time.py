@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 from splitserve.bench.client import Endpoint
-from splitserve.bench.load import Load, run_load
-from splitserve.bench.metrics import SLO
+from splitserve.bench.load import run_load
+from splitserve.workload.metrics import SLO
+from splitserve.workload.runs import Load
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 

@@ -24,7 +24,7 @@ from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S as DEFAULT_PEER
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tenant_args import add_api_keys_arg, tenants_from_args
 from splitserve.common.tls import add_server_tls_args, add_worker_ca_arg, server_files
-from splitserve.engine.scheduler import SCHEDULING_POLICIES
+from splitserve.config import SCHEDULING_POLICIES
 from splitserve.router.cli import add_router_parser
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
 from splitserve.router.policies import POLICIES

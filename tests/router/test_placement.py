@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.bench.workloads import AgenticConfig
 from splitserve.router.config import RouterConfig
 from splitserve.router.membership import Membership
 from splitserve.router.metrics import RouterMetrics
@@ -19,6 +18,7 @@ from splitserve.sim.cluster import Cluster
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware
 from splitserve.sim.models import get_model
+from splitserve.workload.sessions import AgenticConfig
 
 D0, D1, P0 = (
     Worker("http://d0:1", "decode"),

@@ -28,9 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.bench.client import Endpoint
-from splitserve.bench.load import Load, RunResult, run_load
-from splitserve.bench.metrics import SLO, Summary
-from splitserve.bench.report import MEAN_HEADERS, markdown_table, mean_rows, rows, text_table
+from splitserve.bench.load import run_load
 from splitserve.cluster.local import (
     LocalDeployment,
     Topology,
@@ -38,6 +36,10 @@ from splitserve.cluster.local import (
     free_port,
     worker_argv,
 )
+from splitserve.workload.args import loads_from_args, workload_from_args, write_outputs
+from splitserve.workload.metrics import SLO, Summary
+from splitserve.workload.report import MEAN_HEADERS, markdown_table, mean_rows, rows, text_table
+from splitserve.workload.runs import Load, RunResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,7 +374,6 @@ def _endpoint(dep: Deployment, url: str, key: str) -> Endpoint:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from splitserve.bench.cli import loads_from_args, workload_from_args, write_outputs
 
     workload, loads = workload_from_args(args), loads_from_args(args)
     slo = SLO.parse(args.slo, args.session_slo)

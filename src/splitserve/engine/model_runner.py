@@ -15,8 +15,10 @@ import numpy as np
 import torch
 
 from splitserve.engine.core_share import CoreShare
+from splitserve.engine.kv_pages import zero_blocks
 from splitserve.engine.plan import ScheduledChunk, StepPlan, StepResult
 from splitserve.engine.sampler import sample
+from splitserve.engine.shm_cache import SharedKVCache
 from splitserve.models.attention import (
     AttentionContext,
     DecodeGroup,
@@ -25,8 +27,6 @@ from splitserve.models.attention import (
 )
 from splitserve.models.llama import SplitGemv
 from splitserve.models.loader import LoadedModel
-from splitserve.transfer.kv_pages import zero_blocks
-from splitserve.transfer.shm_cache import SharedKVCache
 
 if TYPE_CHECKING:
     from splitserve.models.fused_decode import FusedDecoder

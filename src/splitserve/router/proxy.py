@@ -56,7 +56,7 @@ from splitserve.router.vouch import Vouch
 from splitserve.router.worker import Worker
 
 if TYPE_CHECKING:
-    from splitserve.router.front import Admission
+    from splitserve.router.admission import Admission
     from splitserve.router.prompt_tokens import ChatTokenizer
 
 log = logging.getLogger(__name__)

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import argparse
 
-from splitserve.bench.cli import add_run_args, loads_from_args, workload_from_args, write_outputs
-from splitserve.bench.load import Load
-from splitserve.bench.metrics import SLO, format_summary
-from splitserve.engine.scheduler import SCHEDULING_POLICIES
+from splitserve.config import SCHEDULING_POLICIES
 from splitserve.router.policies import POLICIES
 from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import HARDWARE, get_hardware, load_calibration
 from splitserve.sim.models import DTYPE_BYTES, MODELS, get_model
+from splitserve.workload.args import (
+    add_run_args,
+    loads_from_args,
+    workload_from_args,
+    write_outputs,
+)
+from splitserve.workload.metrics import SLO, format_summary
+from splitserve.workload.runs import Load
 
 
 def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -23,8 +23,6 @@ import contextlib
 import gc
 from collections.abc import Callable, Iterator
 
-from splitserve.bench.metrics import RequestRecord
-from splitserve.bench.workloads import SessionSpec
 from splitserve.common.kv_hash import BlockChain, root_hash
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerConfig
@@ -41,6 +39,8 @@ from splitserve.sim.kv_moves import PREFILL_SUFFIX, KVMoves
 from splitserve.sim.shared_cores import SharedCores
 from splitserve.sim.state import SimRequest, SimStats, SimWorker
 from splitserve.sim.tiers import SimLadder, TierLoad
+from splitserve.workload.metrics import RequestRecord
+from splitserve.workload.sessions import SessionSpec
 
 # First messages whose block chains a run keeps for the sessions opening with them: a
 # workload's shared system prompts number a few; unique openings stop counting here.

@@ -9,21 +9,49 @@ sooner); here a decode run in progress has counted on its free blocks, so they w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from splitserve.common.kv_hash import BlockHash
 from splitserve.engine.sequence import Sequence
-from splitserve.sim.state import SimRequest, SimWorker
-
-if TYPE_CHECKING:
-    from splitserve.sim.cluster import Cluster
+from splitserve.router.policies import RoutingPolicy
+from splitserve.sim.cost_model import CostModel
+from splitserve.sim.deployment import SimConfig
+from splitserve.sim.events import EventQueue
+from splitserve.sim.state import SimRequest, SimStats, SimWorker
 
 PREFILL_SUFFIX = "/prefill"
 
 
+class Host(Protocol):
+    """What the KV moves need of the simulated deployment (``cluster.Cluster``)."""
+
+    config: SimConfig
+    cost: CostModel
+    events: EventQueue
+    stats: SimStats
+    root: BlockHash
+    prefill_policy: RoutingPolicy
+    requests: dict[str, SimRequest]
+    outputs: dict[str, tuple[int, ...]]
+
+    @property
+    def now(self) -> float: ...
+
+    def sequence(
+        self, rid: str, req: SimRequest, max_tokens: int, keep_blocks: bool = False
+    ) -> Sequence: ...
+
+    def admit(self, w: SimWorker, seq: Sequence, req: SimRequest) -> None: ...
+
+    def on_engine(self, w: SimWorker, call: Callable[[], None]) -> None: ...
+
+    def on_engine_now(self, w: SimWorker, call: Callable[[], None], blocks: int) -> None: ...
+
+
 class KVMoves:
-    def __init__(self, cluster: Cluster) -> None:
-        self.c = cluster
+    def __init__(self, host: Host) -> None:
+        self.c = host
 
     # ---- disaggregation: the decode worker pulls the prefilled prompt --------------------
 

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import numpy as np
 
-from splitserve.bench.vocab import TEXT_ID_BASE, WORDS, text_of
+from splitserve.workload.vocab import TEXT_ID_BASE, WORDS, text_of
 
 API_CHAT = "chat"  # /v1/chat/completions with messages
 API_COMPLETIONS = "completions"  # /v1/completions with a token-id prompt

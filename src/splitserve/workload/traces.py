@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from splitserve.bench.workloads import (
+from splitserve.workload.sessions import (
     API_COMPLETIONS,
     TOKEN_ID_HI,
     TOKEN_ID_LO,
