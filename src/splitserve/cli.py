@@ -25,10 +25,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tenant_args import add_api_keys_arg, tenants_from_args
 from splitserve.common.tls import add_server_tls_args, add_worker_ca_arg, server_files
 from splitserve.config import SCHEDULING_POLICIES
-from splitserve.router.cli import add_router_parser
-from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
-from splitserve.router.policies import POLICIES
-from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR
+from splitserve.router.cli import add_placement_args, add_router_parser
 from splitserve.sim.cli import add_sim_parser
 
 
@@ -312,41 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="encrypt the KV blocks that move between workers (AES-GCM; the transfers are "
         "always authenticated)",
     )
-    serve.add_argument(
-        "--remote-prefill-threshold",
-        type=int,
-        default=DEFAULT_REMOTE_PREFILL_THRESHOLD,
-        metavar="TOKENS",
-        help="prefill remotely only when the uncached prompt is at least this long",
-    )
-    serve.add_argument(
-        "--policy",
-        default="session",
-        choices=sorted(POLICIES),
-        help="the router's decode placement (default: session)",
-    )
-    serve.add_argument(
-        "--load-factor",
-        type=float,
-        default=DEFAULT_LOAD_FACTOR,
-        metavar="C",
-        help="session policy: a worker holds at most ceil(C x average) requests "
-        f"(default {DEFAULT_LOAD_FACTOR}; with W workers, C >= W never moves a session)",
-    )
-    serve.add_argument(
-        "--load-floor",
-        type=int,
-        default=DEFAULT_LOAD_FLOOR,
-        metavar="N",
-        help="session policy: a session's home worker counts as full only from N requests "
-        f"in flight, whatever C gives (default {DEFAULT_LOAD_FLOOR})",
-    )
-    serve.add_argument(
-        "--kv-peer-fetch",
-        action="store_true",
-        help="a session turn the router moves off its busy home worker pulls the session's "
-        "KV from the home instead of recomputing it (docs/router.md)",
-    )
+    add_placement_args(serve, prefill_policy=False)
     serve.add_argument(
         "--kv-peer-timeout",
         type=float,

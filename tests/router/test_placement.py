@@ -175,3 +175,23 @@ def test_the_router_and_the_simulator_place_one_workload_alike(case):
         assert len({d[0] for d in simulated}) == len(DECODE)
     else:
         assert any(d[3] is not None for d in simulated)
+
+
+def test_router_serve_and_sim_take_the_same_placement_options():
+    from splitserve.cli import build_parser
+
+    flags = ["--policy", "prefix", "--load-factor", "2", "--load-floor", "3"]
+    flags += ["--remote-prefill-threshold", "100", "--kv-peer-fetch"]
+    parser = build_parser()
+    parsed = [
+        parser.parse_args(["router", "--decode", "http://d:1", *flags]),
+        parser.parse_args(["serve", *flags]),
+        parser.parse_args(["sim", *flags]),
+    ]
+    for args in parsed:
+        got = (args.policy, args.load_factor, args.load_floor, args.remote_prefill_threshold)
+        assert got + (args.kv_peer_fetch,) == ("prefix", 2.0, 3, 100, True)
+    defaults = [parser.parse_args(["router", "--decode", "http://d:1"]), parser.parse_args(["sim"])]
+    for args in defaults:
+        assert (args.prefill_policy, args.remote_prefill_threshold) == ("prefix", 64)
+        assert (args.load_factor, args.load_floor) == (1.25, 1)
