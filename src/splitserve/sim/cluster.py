@@ -23,7 +23,7 @@ import contextlib
 import gc
 from collections.abc import Callable, Iterator
 
-from splitserve.common.kv_hash import BlockChain, root_hash
+from splitserve.common.kv_hash import BlockChain, BlockHash, root_hash
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerConfig
 from splitserve.engine.sequence import Sequence
@@ -79,7 +79,8 @@ class Cluster:
         self.config = config
         self.deployment = deployment
         self.events = EventQueue()
-        self.root = root_hash(config.model.name)
+        self.root = root_hash(config.model.name)  # the default tenant's
+        self._roots: dict[str, BlockHash] = {"": self.root}
         self.stats = SimStats()
         self.cost = config.cost_model(deployment.tp)
         self.num_blocks = config.kv_blocks(self.cost)
@@ -110,7 +111,7 @@ class Cluster:
         self._contexts: dict[str, list[int]] = {}
         self._chains: dict[str, BlockChain] = {}
         self._prefix_keys: dict[str, str] = {}  # a session's prefill placement key
-        self._openings: dict[tuple[str, bool, tuple[int, ...]], BlockChain] = {}
+        self._openings: dict[tuple[str, str, bool, tuple[int, ...]], BlockChain] = {}
         self.moves = KVMoves(self)
         self.cores: SharedCores | None = None
         if config.host_cores:
@@ -196,13 +197,15 @@ class Cluster:
     def _session_arrives(self, spec: SessionSpec) -> None:
         self._next_session()
         self._contexts[spec.session_id] = []
-        chain = BlockChain(self.root, self.config.block_size)
+        chain = BlockChain(self._root(spec.tenant), self.config.block_size)
         opening = self._opening(spec)
         if opening is not None:
             chain.hashes.extend(opening.hashes)
             chain.tokens.extend(opening.tokens)
         if self._fed is not None:
-            chain.ahead = self._fed.take(spec.session_id)
+            ahead = self._fed.take(spec.session_id)
+            if not spec.tenant:  # hashed ahead from the default tenant's root
+                chain.ahead = ahead
         self._chains[spec.session_id] = chain
         # The first message's first 128 tokens, hashed once per session (not per turn).
         shared = spec.turns[0].segments[0].token_ids[:128]
@@ -220,15 +223,22 @@ class Cluster:
         if not spec.turns or not spec.turns[0].segments:
             return None
         seg, chat = spec.turns[0].segments[0], self._chat(spec)
-        key = (seg.role, chat, seg.token_ids)
+        key = (spec.tenant, seg.role, chat, seg.token_ids)
         chain = self._openings.get(key)
         if chain is None and len(self._openings) < MAX_OPENINGS:
             tokens: list[int] = []
             append_message(tokens, seg, chat)
-            chain = BlockChain(self.root, self.config.block_size)
+            chain = BlockChain(self._root(spec.tenant), self.config.block_size)
             chain.extend(tokens, len(tokens) // self.config.block_size)
             self._openings[key] = chain
         return chain
+
+    def _root(self, tenant: str) -> BlockHash:
+        """The root of ``tenant``'s block chains."""
+        root = self._roots.get(tenant)
+        if root is None:
+            root = self._roots[tenant] = root_hash(self.config.model.name, tenant)
+        return root
 
     def _send(self, spec: SessionSpec, k: int) -> None:
         turn = spec.turns[k]
@@ -307,7 +317,7 @@ class Cluster:
             rid,
             list(req.prompt),
             params,
-            self.root,
+            req.chain.root,
             arrival_time=self.now,
             keep_blocks=keep_blocks,
             chain=req.chain,

@@ -30,7 +30,6 @@ class Host(Protocol):
     cost: CostModel
     events: EventQueue
     stats: SimStats
-    root: BlockHash
     prefill_policy: RoutingPolicy
     requests: dict[str, SimRequest]
     outputs: dict[str, tuple[int, ...]]
@@ -85,7 +84,7 @@ class KVMoves:
         below its pool count too, and their loads start now (they are not pulled)."""
         bm, tiering = d.engine.block_manager, d.engine.tiering
         if tiering is not None:
-            held, loading = tiering.prefetch(prompt, self.c.root)
+            held, loading = tiering.prefetch(prompt, seq.root_hash)
             return held + loading
         usable = bm.reusable_blocks(len(prompt))
         return len(bm.cached_chain(bm.chain(seq, usable), usable))

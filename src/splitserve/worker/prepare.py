@@ -30,8 +30,9 @@ M = TypeVar("M", bound=BaseModel)
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Below this a temperature only produces overflowing logits; treat it as greedy (as vLLM does).
 _GREEDY_BELOW = 1e-5
-# Tool calls in the output are not parsed yet, so a forced call ("required", a named
-# function) cannot be honoured; "auto" leaves the choice to the model, as the template does.
+# A forced call ("required", a named function) would need decoding constrained to the call's
+# format, which the engine does not do; "auto" leaves the choice to the model, as the
+# template does (``tool_calls`` parses the calls it makes).
 _TOOL_CHOICES = (None, "auto", "none")
 
 
