@@ -2,17 +2,14 @@
 connections whose answers ``httptools`` parses, and a streamed body that is pushed to a sink
 from the connection's ``data_received`` as it arrives.
 
-Every proxied request and every streamed chunk passes through this client. aiohttp, the
-fastest maintained asyncio client measured here, costs per chunk a wake-up of the reading task
-through a future, a read-timeout timer re-armed on every read and its ``StreamReader``'s
-bookkeeping, and per request its ``ClientRequest``/URL/multidict objects; with it the router
-spent 103-140 us of CPU per relayed chunk and 0.38-0.44 ms per request set-up, 2-2.5x the Rust
-vllm-router's in front of the same worker. Here a chunk goes from the socket through httptools'
-C parser into the relay and onto the client's socket in one callback, with no task switch;
-the read timeout is one lazy timer per request. Figures, before and after: docs/benchmarks.md
-("Router overhead against vllm-router"). The health probes have a small pool of their own
-(``probe_pool``, ``fetch``), so a busy proxy pool never holds them up; through httpx they cost
-the router about 6 ms of CPU a second per worker.
+Every proxied request and every streamed chunk passes through this client, so a chunk does
+no more than it must: it goes from the socket through httptools' C parser into the relay and
+onto the client's socket in one callback, with no task switch, and the read timeout is one
+lazy timer per request. A general-purpose client (aiohttp) would wake a reading task through
+a future, re-arm a timer on every read and build request objects per call; the router's cost
+next to the Rust vllm-router's: docs/benchmarks.md ("Router overhead against vllm-router").
+The health probes have a small pool of their own (``probe_pool``, ``fetch``), so a busy proxy
+pool never holds them up.
 
 ::
 

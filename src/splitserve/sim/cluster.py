@@ -50,9 +50,8 @@ MAX_OPENINGS = 64
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """A run keeps millions of objects alive (token chains, cached blocks' tokens, records)
-    and makes no reference cycles worth collecting before it ends; the cyclic collector's
-    passes over them were a quarter of a large run. Reference counting still frees all
-    else at once.
+    and makes no reference cycles worth collecting before it ends, so the cyclic collector's
+    passes over them would only cost time. Reference counting still frees all else at once.
 
     Every object made while paused is counted in the youngest generation, so the first
     collection after it would scan them all (seconds at a million requests). Freezing and
@@ -219,7 +218,7 @@ class Cluster:
         cached from another session is recognised by identity rather than compared item by
         item, and is hashed once per run rather than once per session. The first
         ``MAX_OPENINGS`` distinct first messages are kept; a session opening with another
-        one hashes its own, as before."""
+        one hashes its own."""
         if not spec.turns or not spec.turns[0].segments:
             return None
         seg, chat = spec.turns[0].segments[0], self._chat(spec)
