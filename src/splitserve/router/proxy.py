@@ -7,20 +7,16 @@ connection the worker closed or reset before answering (most often a kept-alive 
 closing as the request went out) is tried once more on the same worker first, over another
 connection, so a lone worker's keep-alive race is not a 502. After
 the first byte the client owns a partial answer, so a streamed request migrates instead: the
-router resumes it on the session's next worker from the tokens already delivered (see
+router resumes it on the session's next worker from the tokens already delivered (``resume``,
 ``migration``) and the client's stream continues. Only when no worker can take it over does
 the stream end with an SSE error event.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from splitserve.common.tenants import DEFAULT_TENANT
@@ -29,12 +25,12 @@ from splitserve.router.body import forwarded
 from splitserve.router.body import parse as parse_body
 from splitserve.router.config import RouterConfig
 from splitserve.router.errors import RouterError, no_worker
+from splitserve.router.forwarding import Forwarding, WorkerFailed
 from splitserve.router.leg import Leg
 from splitserve.router.membership import Membership
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.migration import (
     TOKEN_IDS_FIELD,
-    IncompleteStream,
     StreamLog,
     StreamRelay,
     resumable_request,
@@ -42,13 +38,15 @@ from splitserve.router.migration import (
 from splitserve.router.placement import (
     Decision,
     PlacementRules,
-    Uncached,
     place,
     uncached_from_body,
 )
 from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.policies.session import SyncedRing
+from splitserve.router.prefetch import PrefetchHints
+from splitserve.router.prefill_leg import PrefillLeg
 from splitserve.router.replies import Buffered, Reply, Streamed
+from splitserve.router.resume import Resumer
 from splitserve.router.session import SESSION_HEADER, prefix_key, session_key
 from splitserve.router.timing import Timeline, now
 from splitserve.router.upstream import Pool, Response, UpstreamError, dropped
@@ -67,37 +65,9 @@ DECODE_HEADER = "X-Splitserve-Decode-Worker"
 PREDICTED_HEADER = "X-Splitserve-Predicted-Cached-Tokens"
 PREFILL_HEADER = "X-Splitserve-Prefill-Worker"
 _PASSED_RESPONSE_HEADERS = ("content-type", "content-encoding", "cache-control")
-_HINT_TIMEOUT_S = 5.0
 PEER_FIELD = "kv_peer"  # the worker to pull a moved turn's KV from (worker.peer)
 # What only the router writes: these make a worker contact other hosts.
 ROUTER_FIELDS = (PEER_FIELD, "kv_transfer_params")
-
-
-class WorkerFailed(Exception):
-    """The worker failed before sending its first byte: the request may go elsewhere.
-    ``dropped``: an open connection was closed or reset before any answer (``upstream``)."""
-
-    def __init__(self, message: str, dropped: bool = False) -> None:
-        super().__init__(message)
-        self.dropped = dropped
-
-
-@dataclass(slots=True)
-class Forwarding:
-    """One request on its way: what the policies know of it, and what its legs need."""
-
-    info: RequestInfo
-    home: str | None  # the session's home worker
-    uncached: Uncached = Uncached(0.0, 0.0)
-    prefill: Worker | None = None
-    kv_params: dict[str, Any] | None = None
-    # Streamed requests: what was delivered, so the stream can move to another worker.
-    relay: StreamRelay | None = None
-    headers: dict[str, str] | None = None
-    excluded: list[str] | None = None  # decode workers tried so far
-    timeline: Timeline | None = None
-    predicted: tuple[str, int] | None = None  # (decode worker, tokens its KV events showed)
-    tenant: str = DEFAULT_TENANT
 
 
 class Proxy:
@@ -125,7 +95,18 @@ class Proxy:
         self.rules = PlacementRules(
             config.disaggregate, config.remote_prefill_threshold, config.kv_peer_fetch
         )
-        self._hints: set[asyncio.Future] = set()
+        self.hints = PrefetchHints(client, self.vouch)
+        self.prefill_leg = PrefillLeg(client, self.vouch, metrics, self._failed)
+        self.resumer = Resumer(
+            config.max_retries,
+            membership,
+            decode,
+            client,
+            metrics,
+            self.vouch,
+            self._pick,
+            self._failed,
+        )
 
     async def completion(
         self,
@@ -159,9 +140,9 @@ class Proxy:
         forwarding.predicted = self._predicted(decode, forwarding.info)
         timeline.routed = now()
         if self.config.prefetch_hints and forwarding.info.session_key is not None:
-            self._prefetch_hint(decode, body, headers, tenant)
+            self.hints.send(decode, body, headers, tenant)
         if self.rules.disaggregate:
-            await self._prefill_leg(path, body, headers, forwarding, decision)
+            await self.prefill_leg.run(path, body, headers, forwarding, decision)
         added: dict[str, Any] = {}  # the router's fields in the forwarded body
         if forwarding.kv_params is not None:
             added.update(disagg.decode_fields(forwarding.kv_params))
@@ -182,32 +163,6 @@ class Proxy:
             decode,
             lambda w: self._send(w, "POST", path, payload, headers, stream, forwarding),
         )
-
-    def _prefetch_hint(
-        self, worker: Worker, body: dict[str, Any], headers: dict[str, str], tenant: str
-    ) -> None:
-        """Fire and forget: the worker promotes the prompt's tiered KV while this request
-        goes through its prefill leg and queue. The hint is the request body itself, which
-        the worker tokenizes as it will the request. A lost hint costs only itself."""
-
-        async def send() -> None:
-            try:
-                hint = json.dumps(body).encode()
-                path = "/v1/kv/prefetch"
-                signed = self.vouch.headers(headers, tenant, "POST", path, hint)
-                r = await self.client.request(
-                    "POST", worker.url, path, signed, hint, _HINT_TIMEOUT_S
-                )
-                try:
-                    await r.read()
-                finally:
-                    r.release()
-            except UpstreamError as e:
-                log.debug("prefetch hint to %s failed: %r", worker.url, e)
-
-        task = asyncio.ensure_future(send())
-        self._hints.add(task)  # keep a reference until it is done
-        task.add_done_callback(self._hints.discard)
 
     async def models(
         self, client_headers: Mapping[str, str], tenant: str, timeline: Timeline
@@ -248,7 +203,7 @@ class Proxy:
         return Forwarding(info, home, uncached, timeline=timeline)
 
     def _decide(self, forwarding: Forwarding) -> Decision | None:
-        """The forwarding decision (``placement.place``) over the healthy members."""
+        """The placement decision (``placement.place``) over the healthy members."""
         home = self.membership.get(forwarding.home) if forwarding.home is not None else None
         return place(
             forwarding.info,
@@ -371,134 +326,10 @@ class Proxy:
             upstream.status,
             self._headers(upstream, worker, forwarding, headers),
             Leg(first, upstream, forwarding.relay),
-            lambda failure: self._after(failure, worker, forwarding),
+            lambda failure: self.resumer.after(failure, worker, forwarding),
             close_once,
             forwarding.info.session_key,
         )
-
-    async def _after(
-        self, failure: Exception, worker: Worker, forwarding: Forwarding
-    ) -> AsyncIterator[bytes]:
-        """What the client gets when the first leg broke after its first byte: the client
-        already has part of the answer, so it is resumed elsewhere, not retried."""
-        self._failed(worker, "decode", failure)
-        self.metrics.midstream_failures.inc()
-        if forwarding.relay is None:  # relayed as it was: nothing to resume from
-            yield _error_event("the decode worker failed mid-stream")
-            return
-        async for out in self._migrate(forwarding):
-            yield out
-
-    async def _migrate(self, forwarding: Forwarding) -> AsyncIterator[bytes]:
-        """Continue a broken stream on the session's next decode workers, one leg each."""
-        relay, excluded = forwarding.relay, forwarding.excluded
-        assert relay is not None and excluded is not None
-        if relay.log.finish_reason is not None:  # only the usage and [DONE] were lost
-            for out in relay.finish_locally():
-                yield out
-            return
-        for _ in range(self.config.max_retries + 1):
-            worker = (
-                self._pick("decode", forwarding.info, excluded) if relay.log.resumable else None
-            )
-            if worker is None:
-                break
-            self.metrics.migrations.inc()
-            log.warning("resuming a stream on %s", worker.url)
-            try:
-                remaining = relay.remaining(
-                    await self._max_model_len(worker, relay.log, forwarding)
-                )
-                if remaining <= 0:
-                    for out in relay.finish_locally():
-                        yield out
-                    return
-                payload = json.dumps(relay.resume_body(remaining)).encode()
-                async with self._leg(worker, payload, forwarding) as upstream:
-                    # SSE comments are ignored by clients; this one helps debugging and tests.
-                    yield f": splitserve migrated to {worker.url}\n\n".encode()
-                    async for out in relay.relay(_pieces(upstream)):
-                        yield out
-                return
-            except (UpstreamError, IncompleteStream, ValueError, WorkerFailed) as e:
-                self._failed(worker, "decode", e)
-        yield _error_event("the decode worker failed mid-stream and no worker could resume it")
-
-    @asynccontextmanager
-    async def _leg(
-        self, worker: Worker, payload: bytes, forwarding: Forwarding
-    ) -> AsyncIterator[Response]:
-        """One resumed leg's upstream stream, counted in the worker's load while it runs."""
-        self.metrics.sent(worker.url, "decode")
-        worker.in_flight += 1
-        try:
-            assert forwarding.headers is not None
-            path = "/v1/completions"
-            headers = self.vouch.headers(
-                forwarding.headers, forwarding.tenant, "POST", path, payload
-            )
-            upstream = await self.client.request("POST", worker.url, path, headers, payload)
-            try:
-                if upstream.status != 200:
-                    raise WorkerFailed(f"HTTP {upstream.status} on resume")
-                self.membership.report(worker.url, ok=True)
-                yield upstream
-            finally:
-                upstream.release()
-        finally:
-            worker.in_flight -= 1
-            self.policies["decode"].on_request_complete(worker, forwarding.info)
-
-    async def _max_model_len(
-        self, worker: Worker, stream: StreamLog, forwarding: Forwarding
-    ) -> int | None:
-        """The worker's context length, needed only when the client set no ``max_tokens``."""
-        if stream.max_tokens is not None:
-            return None
-        assert forwarding.headers is not None
-        path = "/v1/models"
-        headers = self.vouch.headers(forwarding.headers, forwarding.tenant, "GET", path, None)
-        r = await self.client.request("GET", worker.url, path, headers)
-        try:
-            body = await r.read()
-        finally:
-            r.release()
-        if r.status != 200:
-            raise WorkerFailed(f"HTTP {r.status} from /v1/models")
-        return int(json.loads(body)["data"][0]["max_model_len"])
-
-    async def _prefill_leg(
-        self,
-        path: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        forwarding: Forwarding,
-        decision: Decision,
-    ) -> None:
-        worker = decision.prefill
-        if worker is None:
-            outcome = "fallback" if decision.remote_prefill else "skipped"
-            self.metrics.remote_prefills.labels(outcome).inc()
-            return
-        payload = json.dumps(disagg.prefill_body(body)).encode()
-        self.metrics.sent(worker.url, "prefill")
-        params = None
-        try:
-            signed = self.vouch.headers(headers, forwarding.tenant, "POST", path, payload)
-            r = await self.client.request("POST", worker.url, path, signed, payload)
-            try:
-                answer = await r.read()
-            finally:
-                r.release()
-            if r.status >= 500:
-                raise WorkerFailed(f"HTTP {r.status}")
-            params = disagg.accepted_params(json.loads(answer)) if r.status == 200 else None
-        except (UpstreamError, ValueError, WorkerFailed) as e:
-            self._failed(worker, "prefill", e)
-        # Without params the decode worker simply prefills locally: slower, never wrong.
-        self.metrics.remote_prefills.labels("ok" if params else "fallback").inc()
-        if params is not None:
-            forwarding.prefill, forwarding.kv_params = worker, params
 
     def _succeeded(self, worker: Worker, role: str, forwarding: Forwarding) -> None:
         self.membership.report(worker.url, ok=True)
@@ -543,18 +374,8 @@ class Proxy:
         return out
 
 
-async def _pieces(response: Response) -> AsyncIterator[bytes]:
-    while piece := await response.piece():
-        yield piece
-
-
 def _header_value(value: str) -> str:
     """A client's header value to forward; the upstream client writes values as they are."""
     if "\r" in value or "\n" in value or "\0" in value:
         raise RouterError(400, "a header value has a line break or a NUL")
     return value
-
-
-def _error_event(message: str) -> bytes:
-    error = {"message": message, "type": "server_error", "param": None, "code": "worker_failed"}
-    return f"data: {json.dumps({'error': error})}\n\n".encode()
