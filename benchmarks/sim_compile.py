@@ -70,6 +70,7 @@ MODULES = [
     "splitserve/sim/shared_cores.py",
     "splitserve/sim/state.py",
     "splitserve/sim/step_log.py",
+    "splitserve/sim/stepping.py",
 ]
 
 # The profile-guided build's training run (``--pgo``): the benchmark's own setup, small.
