@@ -9,7 +9,8 @@ import json
 import logging
 from typing import Any
 
-from splitserve.router.upstream import Pool, UpstreamError
+from splitserve.router.response import UpstreamError
+from splitserve.router.upstream import Pool
 from splitserve.router.vouch import Vouch
 from splitserve.router.worker import Worker
 

@@ -11,7 +11,8 @@ from splitserve.router import disagg
 from splitserve.router.forwarding import Forwarding, WorkerFailed
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.placement import Decision
-from splitserve.router.upstream import Pool, UpstreamError
+from splitserve.router.response import UpstreamError
+from splitserve.router.upstream import Pool
 from splitserve.router.vouch import Vouch
 from splitserve.router.worker import Worker
 

@@ -46,10 +46,11 @@ from splitserve.router.policies.session import SyncedRing
 from splitserve.router.prefetch import PrefetchHints
 from splitserve.router.prefill_leg import PrefillLeg
 from splitserve.router.replies import Buffered, Reply, Streamed
+from splitserve.router.response import Response, UpstreamError, dropped
 from splitserve.router.resume import Resumer
 from splitserve.router.session import SESSION_HEADER, prefix_key, session_key
 from splitserve.router.timing import Timeline, now
-from splitserve.router.upstream import Pool, Response, UpstreamError, dropped
+from splitserve.router.upstream import Pool
 from splitserve.router.vouch import Vouch
 from splitserve.router.worker import Worker
 

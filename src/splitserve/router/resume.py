@@ -17,7 +17,8 @@ from splitserve.router.membership import Membership
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.migration import IncompleteStream, StreamLog
 from splitserve.router.policies import RequestInfo, RoutingPolicy
-from splitserve.router.upstream import Pool, Response, UpstreamError
+from splitserve.router.response import Response, UpstreamError
+from splitserve.router.upstream import Pool
 from splitserve.router.vouch import Vouch
 from splitserve.router.worker import Worker
 
