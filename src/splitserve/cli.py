@@ -141,7 +141,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def serve_topology(args: argparse.Namespace):
     """The pools and router flags ``serve`` starts, from its parsed arguments."""
-    from splitserve.cluster.local import Topology
+    from splitserve.cluster.serve import Topology
 
     if args.load_factor < 1.0:
         raise ValueError(f"--load-factor must be >= 1, got {args.load_factor}")
@@ -216,7 +216,7 @@ def _checked_keys_file(args: argparse.Namespace) -> str | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from splitserve.cluster.local import serve
+    from splitserve.cluster.serve import serve
     from splitserve.config import EngineConfig
 
     topology = serve_topology(args)

@@ -7,7 +7,7 @@ import pytest
 
 from splitserve.bench.compare import DEPLOYMENTS, parse_deployments, serve_argv, stages_of
 from splitserve.cli import build_parser, main, serve_topology, serve_worker_args
-from splitserve.cluster.local import pool_workers
+from splitserve.cluster.serve import pool_workers
 from splitserve.workload.args import loads_from_args, workload_from_args
 from splitserve.workload.sessions import AgenticConfig, LogNormal, MultiRoundQAConfig
 

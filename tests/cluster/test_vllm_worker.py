@@ -10,7 +10,7 @@ import pytest
 
 from splitserve.cli import build_parser, main, serve_topology, serve_worker_args
 from splitserve.cli_vllm import nixl_side
-from splitserve.cluster.local import pool_workers
+from splitserve.cluster.serve import pool_workers
 from splitserve.cluster.vllm_worker import (
     NixlSide,
     VllmWorkerSpec,

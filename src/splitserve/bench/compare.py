@@ -29,13 +29,8 @@ from pathlib import Path
 
 from splitserve.bench.client import Endpoint
 from splitserve.bench.load import run_load
-from splitserve.cluster.local import (
-    LocalDeployment,
-    Topology,
-    WorkerProcess,
-    free_port,
-    worker_argv,
-)
+from splitserve.cluster.local import LocalDeployment, WorkerProcess, free_port, worker_argv
+from splitserve.cluster.serve import Topology
 from splitserve.workload.args import loads_from_args, workload_from_args, write_outputs
 from splitserve.workload.metrics import SLO, Summary
 from splitserve.workload.report import MEAN_HEADERS, markdown_table, mean_rows, rows, text_table
