@@ -29,7 +29,8 @@ import numpy as np
 from sim_speed_sensitivity import AGENTIC
 
 from splitserve.bench.client import Endpoint
-from splitserve.bench.compare import DEPLOYMENTS, Running, stages_of
+from splitserve.bench.compare import Running, stages_of
+from splitserve.bench.deployments import DEPLOYMENTS
 from splitserve.bench.load import run_load
 from splitserve.bench.scrape import serving_cpu_seconds
 from splitserve.cluster.local import free_port

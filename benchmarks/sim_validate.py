@@ -39,7 +39,7 @@ import statistics
 import time
 from collections import deque
 
-from splitserve.bench.compare import DEPLOYMENTS
+from splitserve.bench.deployments import DEPLOYMENTS
 from splitserve.bench.scrape import serving_cpu_seconds
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.sim.deployment import Deployment, SimConfig

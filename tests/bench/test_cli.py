@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.bench.compare import DEPLOYMENTS, parse_deployments, serve_argv, stages_of
+from splitserve.bench.compare import serve_argv, stages_of
+from splitserve.bench.deployments import DEPLOYMENTS, parse_deployments
 from splitserve.cli import build_parser, main, serve_topology, serve_worker_args
 from splitserve.cluster.serve import pool_workers
 from splitserve.workload.args import loads_from_args, workload_from_args
