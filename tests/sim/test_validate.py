@@ -25,7 +25,8 @@ from splitserve.bench.client import Endpoint
 from splitserve.bench.load import run_load
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.config import EngineConfig
-from splitserve.sim.calibrate import fit, peak_cost_model, write_calibration
+from splitserve.sim.calibrate import fit, peak_cost_model
+from splitserve.sim.calibration_files import write_calibration
 from splitserve.sim.cost_model import StepShape
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware, load_calibration
