@@ -67,6 +67,7 @@ MODULES = [
     "splitserve/sim/events.py",
     "splitserve/sim/feed.py",
     "splitserve/sim/kv_moves.py",
+    "splitserve/sim/lazy_decodes.py",
     "splitserve/sim/shared_cores.py",
     "splitserve/sim/state.py",
     "splitserve/sim/step_log.py",
