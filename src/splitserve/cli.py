@@ -25,11 +25,8 @@ from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S as DEFAULT_PEER
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tenant_args import add_api_keys_arg, tenants_from_args
 from splitserve.common.tls import add_server_tls_args, add_worker_ca_arg, server_files
-from splitserve.engine.scheduler import SCHEDULING_POLICIES
-from splitserve.router.cli import add_router_parser
-from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
-from splitserve.router.policies import POLICIES
-from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR
+from splitserve.config import SCHEDULING_POLICIES
+from splitserve.router.cli import add_placement_args, add_router_parser
 from splitserve.sim.cli import add_sim_parser
 
 
@@ -145,7 +142,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def serve_topology(args: argparse.Namespace):
     """The pools and router flags ``serve`` starts, from its parsed arguments."""
-    from splitserve.cluster.local import Topology
+    from splitserve.cluster.serve import Topology
 
     if args.load_factor < 1.0:
         raise ValueError(f"--load-factor must be >= 1, got {args.load_factor}")
@@ -220,7 +217,7 @@ def _checked_keys_file(args: argparse.Namespace) -> str | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from splitserve.cluster.local import serve
+    from splitserve.cluster.serve import serve
     from splitserve.config import EngineConfig
 
     topology = serve_topology(args)
@@ -261,6 +258,14 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         help="log every engine step's shape and model time to DIR/<role>-<port>.jsonl "
         "(what `splitserve sim calibrate --from-steps` fits)",
     )
+
+
+# The optional packages a command may need, by module, and the extra that installs each.
+_EXTRA_MODULES = {
+    **dict.fromkeys(("torch", "numba", "transformers", "gguf", "safetensors"), "engine"),
+    **dict.fromkeys(("fastapi", "uvicorn", "prometheus_client", "tokenizers"), "router"),
+    "matplotlib": "plots",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,41 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="encrypt the KV blocks that move between workers (AES-GCM; the transfers are "
         "always authenticated)",
     )
-    serve.add_argument(
-        "--remote-prefill-threshold",
-        type=int,
-        default=DEFAULT_REMOTE_PREFILL_THRESHOLD,
-        metavar="TOKENS",
-        help="prefill remotely only when the uncached prompt is at least this long",
-    )
-    serve.add_argument(
-        "--policy",
-        default="session",
-        choices=sorted(POLICIES),
-        help="the router's decode placement (default: session)",
-    )
-    serve.add_argument(
-        "--load-factor",
-        type=float,
-        default=DEFAULT_LOAD_FACTOR,
-        metavar="C",
-        help="session policy: a worker holds at most ceil(C x average) requests "
-        f"(default {DEFAULT_LOAD_FACTOR}; with W workers, C >= W never moves a session)",
-    )
-    serve.add_argument(
-        "--load-floor",
-        type=int,
-        default=DEFAULT_LOAD_FLOOR,
-        metavar="N",
-        help="session policy: a session's home worker counts as full only from N requests "
-        f"in flight, whatever C gives (default {DEFAULT_LOAD_FLOOR})",
-    )
-    serve.add_argument(
-        "--kv-peer-fetch",
-        action="store_true",
-        help="a session turn the router moves off its busy home worker pulls the session's "
-        "KV from the home instead of recomputing it (docs/router.md)",
-    )
+    add_placement_args(serve, prefill_policy=False)
     serve.add_argument(
         "--kv-peer-timeout",
         type=float,
@@ -391,6 +362,16 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ValueError as e:  # bad input: a clear message, not a traceback
         print(f"splitserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] not in _EXTRA_MODULES:
+            raise
+        extra = _EXTRA_MODULES[e.name.partition(".")[0]]
+        print(
+            f"splitserve {args.command}: error: needs {e.name}, which this install lacks: "
+            f"pip install 'splitserve[{extra}]' (or make install)",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -6,9 +6,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.engine.scheduler import check_scheduling_policy
-
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The engine's admission orders (``engine.scheduler``).
+SCHEDULING_POLICIES = ("fcfs", "shortest-prefill")
+
+
+def check_scheduling_policy(policy: str) -> None:
+    """Raise ``ValueError`` unless ``policy`` is one of ``SCHEDULING_POLICIES``."""
+    if policy not in SCHEDULING_POLICIES:
+        known = ", ".join(SCHEDULING_POLICIES)
+        raise ValueError(f"scheduling policy must be one of {known}, got {policy!r}")
 
 
 @dataclass(slots=True)

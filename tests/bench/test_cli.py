@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.bench.cli import loads_from_args, workload_from_args
-from splitserve.bench.compare import DEPLOYMENTS, parse_deployments, serve_argv, stages_of
-from splitserve.bench.workloads import AgenticConfig, LogNormal, MultiRoundQAConfig
+from splitserve.bench.compare import serve_argv, stages_of
+from splitserve.bench.deployments import DEPLOYMENTS, parse_deployments
 from splitserve.cli import build_parser, main, serve_topology, serve_worker_args
-from splitserve.cluster.local import pool_workers
+from splitserve.cluster.serve import pool_workers
+from splitserve.workload.args import loads_from_args, workload_from_args
+from splitserve.workload.sessions import AgenticConfig, LogNormal, MultiRoundQAConfig
 
 
 def _args(*argv):

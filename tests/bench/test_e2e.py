@@ -17,9 +17,9 @@ from procs import (
     wait_healthy,
 )
 
-from splitserve.bench.cli import workload_from_args
-from splitserve.bench.workloads import within
 from splitserve.cli import build_parser, main
+from splitserve.workload.args import workload_from_args
+from splitserve.workload.sessions import within
 
 AGENTIC = [
     *("--workload", "agentic", "--agent-types", "2", "--system-tokens", "32"),

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from splitserve.bench.metrics import (
+from splitserve.workload.metrics import (
     SLO,
     RequestRecord,
     format_summary,

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-from splitserve.bench.load import RunResult
-from splitserve.bench.metrics import SLO, RequestRecord, summarize
-from splitserve.bench.report import (
+from splitserve.workload.metrics import SLO, RequestRecord, summarize
+from splitserve.workload.report import (
     FIGURES,
     MEAN_HEADERS,
     markdown_table,
@@ -17,6 +16,7 @@ from splitserve.bench.report import (
     text_table,
     write_json,
 )
+from splitserve.workload.runs import RunResult
 
 
 def _run(ttft: float, n: int, duration: float = 10.0) -> RunResult:

@@ -15,7 +15,7 @@ from procs import copy_checkout, env_for_checkout
 
 TRACES = ("mooncake_conversation_trace.jsonl", "mooncake_synthetic_trace.jsonl")
 SHIPPED = (*TRACES, "LICENSE-mooncake-traces.txt", "README.md")
-DATA = "splitserve/bench/data/traces"
+DATA = "splitserve/workload/data/traces"
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def lone_copy(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", ["conversation", "synthetic"])
 def test_a_lone_copy_finds_the_traces_by_name(lone_copy, tmp_path, name):
     where = subprocess.run(
-        [sys.executable, "-c", "import sys; from splitserve.bench.traces import resolve_trace; "
+        [sys.executable, "-c", "import sys; from splitserve.workload.traces import resolve_trace; "
          "print(resolve_trace(sys.argv[1]))", name],
         env=env_for_checkout(lone_copy), cwd=tmp_path, capture_output=True, text=True,
         timeout=60,

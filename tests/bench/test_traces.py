@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from splitserve.bench.traces import (
+from splitserve.workload.sessions import poisson_arrivals
+from splitserve.workload.traces import (
     TraceReplay,
     TraceScale,
     load_trace,
@@ -18,7 +19,6 @@ from splitserve.bench.traces import (
     synthesize_prompt,
     traces_dir,
 )
-from splitserve.bench.workloads import poisson_arrivals
 
 
 def _line(ts, n_in, n_out, ids):

@@ -7,8 +7,7 @@ import itertools
 
 import pytest
 
-from splitserve.bench.vocab import WORDS, text_of
-from splitserve.bench.workloads import (
+from splitserve.workload.sessions import (
     AgenticConfig,
     LogNormal,
     MultiRoundQAConfig,
@@ -16,6 +15,7 @@ from splitserve.bench.workloads import (
     poisson_arrivals,
     within,
 )
+from splitserve.workload.vocab import WORDS, text_of
 
 
 def _take(workload, rate, n=20):

@@ -171,7 +171,7 @@ def test_regression_a_signal_inside_the_stop_wait_cannot_deadlock_serve():
 
 
 def test_serve_kv_encrypt_reaches_every_pool_worker():
-    from splitserve.cluster.local import Topology
+    from splitserve.cluster.serve import Topology
 
     plain = Topology(prefill=1, decode=2, kv_peer=True)
     sealed = Topology(prefill=1, decode=2, kv_peer=True, kv_encrypt=True)

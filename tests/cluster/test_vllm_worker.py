@@ -10,7 +10,7 @@ import pytest
 
 from splitserve.cli import build_parser, main, serve_topology, serve_worker_args
 from splitserve.cli_vllm import nixl_side
-from splitserve.cluster.local import pool_workers
+from splitserve.cluster.serve import pool_workers
 from splitserve.cluster.vllm_worker import (
     NixlSide,
     VllmWorkerSpec,
@@ -144,7 +144,7 @@ def test_a_missing_vllm_is_a_one_line_error_naming_make_install_vllm(tmp_path, c
 
 def test_serve_gives_vllm_workers_a_key_only_the_router_holds_under_a_keys_file(tmp_path):
     # vLLM knows no tenants: clients reach it only through the router, which vouches for them.
-    from splitserve.cluster.local import _pools
+    from splitserve.cluster.serve import _pools
 
     args = build_parser().parse_args(["serve", "--engine", "vllm", "--decode", "2"])
     env = {"SPLITSERVE_API_KEYS": str(tmp_path / "keys.json")}

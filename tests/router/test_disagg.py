@@ -73,21 +73,6 @@ def test_failed_prefill_falls_back_to_local_prefill(pd):
     assert "kv_transfer_params" not in decode.seen()[-1]["body"]
 
 
-def test_uncached_part_on_home_is_what_follows_the_last_assistant_message():
-    body = {
-        "messages": [
-            {"role": "system", "content": "s" * 1000},
-            {"role": "user", "content": "u" * 100},
-            {"role": "assistant", "content": "a" * 50},
-            {"role": "tool", "content": "t" * 30},
-        ]
-    }
-    assert disagg.uncached_chars(body, on_home=True) == 30
-    assert disagg.uncached_chars(body, on_home=False) == 1180
-    assert disagg.uncached_chars({"prompt": "abc"}, on_home=True) == 3
-    assert disagg.uncached_chars({"prompt": [[1, 2, 3]]}, on_home=True) == 12
-
-
 def test_params_are_accepted_only_when_the_prefill_worker_kept_the_kv():
     assert disagg.accepted_params({"kv_transfer_params": {"do_remote_decode": True}}) is None
     assert disagg.accepted_params({"kv_transfer_params": None}) is None

@@ -26,10 +26,11 @@ import trustme
 from procs import die_with_parent, free_port, metric, start_worker, stop_group, wait_healthy
 
 from splitserve.bench.client import Endpoint
-from splitserve.bench.load import Load, run_load
-from splitserve.bench.workloads import RandomConfig
+from splitserve.bench.load import run_load
 from splitserve.common.tenants import DEFAULT_TENANT, TENANT_HEADER, sign
 from splitserve.router.proxy import DECODE_HEADER
+from splitserve.workload.runs import Load
+from splitserve.workload.sessions import RandomConfig
 
 from .conftest import HTTP, FakeWorker, wait_until
 

@@ -8,9 +8,10 @@ from collections.abc import Awaitable, Callable
 import pytest
 import uvicorn
 
-from splitserve.router import upstream
+from splitserve.router import response, upstream
 from splitserve.router.config import RouterConfig
-from splitserve.router.upstream import Pool, UpstreamError
+from splitserve.router.response import UpstreamError
+from splitserve.router.upstream import Pool
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -166,23 +167,23 @@ def test_only_connections_closed_under_a_request_count_as_dropped():
         server, url = await _serve(reset)
         with pytest.raises(UpstreamError) as dropped:
             await pool.request("POST", url, "/", {}, b"{}")
-        assert upstream.dropped(dropped.value)
+        assert response.dropped(dropped.value)
         server.close()
         await server.wait_closed()
         with pytest.raises(UpstreamError) as refused:  # never opened: nothing to redial
             await pool.request("POST", url, "/", {}, b"{}")
-        assert not upstream.dropped(refused.value)
+        assert not response.dropped(refused.value)
         server, url = await _serve(cut)
         r = await pool.request("POST", url, "/", {}, b"{}")
         with pytest.raises(UpstreamError) as short:  # the answer began: not dropped
             await r.read()
-        assert not upstream.dropped(short.value)
+        assert not response.dropped(short.value)
         r.release()
         await pool.close()
         server.close()
 
     _run(test)
-    assert not upstream.dropped(TimeoutError())
+    assert not response.dropped(TimeoutError())
 
 
 def test_a_worker_that_stops_sending_times_out_on_the_read_timeout():

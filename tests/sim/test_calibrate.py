@@ -10,13 +10,8 @@ import pytest
 from splitserve.cli import main
 from splitserve.engine.model_runner import FUSED_DECODE_MAX_SEQS
 from splitserve.engine.step_log import fused_decode_max_seqs
-from splitserve.sim.calibrate import (
-    cost_model_of,
-    fit,
-    peak_cost_model,
-    read_samples,
-    write_calibration,
-)
+from splitserve.sim.calibrate import cost_model_of, fit, peak_cost_model
+from splitserve.sim.calibration_files import read_samples, write_calibration
 from splitserve.sim.cost_model import StepShape
 from splitserve.sim.hardware import get_hardware, load_calibration
 from splitserve.sim.step_timing import (

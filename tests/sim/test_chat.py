@@ -6,18 +6,18 @@ import dataclasses
 
 import pytest
 
-from splitserve.bench.workloads import (
+from splitserve.sim.chat import append_prompt, append_reply
+from splitserve.sim.cluster import Cluster
+from splitserve.sim.deployment import Deployment, SimConfig
+from splitserve.sim.hardware import get_hardware
+from splitserve.sim.models import get_model
+from splitserve.workload.sessions import (
     API_COMPLETIONS,
     AgenticConfig,
     Segment,
     SessionSpec,
     TurnSpec,
 )
-from splitserve.sim.chat import append_prompt, append_reply
-from splitserve.sim.cluster import Cluster
-from splitserve.sim.deployment import Deployment, SimConfig
-from splitserve.sim.hardware import get_hardware
-from splitserve.sim.models import get_model
 
 
 def ids(start: int, n: int) -> tuple[int, ...]:

@@ -7,13 +7,13 @@ import math
 
 import pytest
 
-from splitserve.bench.workloads import AgenticConfig, RandomConfig, Segment, SessionSpec, TurnSpec
 from splitserve.sim.cluster import Cluster
 from splitserve.sim.cost_model import StepShape
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware
 from splitserve.sim.models import get_model
 from splitserve.sim.run import simulate
+from splitserve.workload.sessions import AgenticConfig, RandomConfig, Segment, SessionSpec, TurnSpec
 from tests.sim.helpers import COLLOCATED, DISAGG, config, run
 
 

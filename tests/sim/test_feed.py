@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.bench.workloads import AgenticConfig, MultiRoundQAConfig, RandomConfig
 from splitserve.common.kv_hash import BlockChain, root_hash
 from splitserve.sim.chat import rendered, synthetic_stream
 from splitserve.sim.cluster import Cluster, chain_plan
 from splitserve.sim.feed import BATCH, ChainPlan, fed_sessions
+from splitserve.workload.sessions import AgenticConfig, MultiRoundQAConfig, RandomConfig
 from tests.sim.helpers import DISAGG, config, run
 
 CHILD_MARK = "splitserve.sim.feed import child_main"
@@ -190,7 +190,7 @@ RUN = textwrap.dedent(
     """
     import os, signal, sys, time
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from splitserve.bench.workloads import AgenticConfig
+    from splitserve.workload.sessions import AgenticConfig
     from splitserve.sim.feed import fed_sessions
     with fed_sessions(AgenticConfig(), 1.0) as sessions:
         next(sessions)

@@ -8,8 +8,6 @@ import inspect
 
 import pytest
 
-from splitserve.bench.metrics import RequestRecord
-from splitserve.bench.workloads import Segment, SessionSpec, TurnSpec
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.block_manager import PrefixMatch
 from splitserve.engine.plan import ScheduledChunk, StepPlan, StepResult
@@ -19,6 +17,8 @@ from splitserve.router.policies import RequestInfo
 from splitserve.sim.cost_model import DecodeLine, StepShape
 from splitserve.sim.engine import StepReport, _Run
 from splitserve.sim.state import SimRequest
+from splitserve.workload.metrics import RequestRecord
+from splitserve.workload.sessions import Segment, SessionSpec, TurnSpec
 
 HAND_WRITTEN = [
     PrefixMatch,

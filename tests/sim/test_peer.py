@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.bench.metrics import SLO
-from splitserve.bench.workloads import AgenticConfig
 from splitserve.cli import main
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware
 from splitserve.sim.models import get_model
 from splitserve.sim.run import SimResult, simulate
+from splitserve.workload.metrics import SLO
+from splitserve.workload.sessions import AgenticConfig
 
 # Four one-thread workers with small pools at a load that moves turns off their homes (the
 # setting of docs/benchmarks.md's peer fetch runs, load floor 1; their engines ran every

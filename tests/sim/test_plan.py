@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from splitserve.bench.metrics import SLO
-from splitserve.bench.workloads import RandomConfig
 from splitserve.sim.cost_model import StepShape
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware
 from splitserve.sim.models import get_model
 from splitserve.sim.plan import candidates, plan
+from splitserve.workload.metrics import SLO
+from splitserve.workload.sessions import RandomConfig
 
 
 def test_candidates_cover_collocated_and_every_split():

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.bench.metrics import SLO, RequestRecord, summarize
-from splitserve.bench.report import run_dict, write_json
-from splitserve.bench.workloads import RandomConfig
 from splitserve.sim.deployment import Deployment
 from splitserve.sim.run import simulate
+from splitserve.workload.metrics import SLO, RequestRecord, summarize
+from splitserve.workload.report import run_dict, write_json
+from splitserve.workload.sessions import RandomConfig
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_validate.py"
 

@@ -7,13 +7,13 @@ import statistics
 
 import pytest
 
-from splitserve.bench.workloads import AgenticConfig, LogNormal, Segment, SessionSpec, TurnSpec
 from splitserve.sim.cluster import Cluster
 from splitserve.sim.cost_model import CostModel, StepShape
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware
 from splitserve.sim.models import get_model
 from splitserve.sim.tiers import SimLadder
+from splitserve.workload.sessions import AgenticConfig, LogNormal, Segment, SessionSpec, TurnSpec
 from tests.sim.helpers import COLLOCATED, DISAGG, config, run
 
 ONE = Deployment(collocated=1)

@@ -22,18 +22,20 @@ import pytest
 from procs import start_worker, stop_group, wait_healthy
 
 from splitserve.bench.client import Endpoint
-from splitserve.bench.load import Load, RunResult, run_load
-from splitserve.bench.metrics import SLO, Summary, summarize
-from splitserve.bench.workloads import RandomConfig
+from splitserve.bench.load import run_load
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.config import EngineConfig
-from splitserve.sim.calibrate import fit, peak_cost_model, write_calibration
+from splitserve.sim.calibrate import fit, peak_cost_model
+from splitserve.sim.calibration_files import write_calibration
 from splitserve.sim.cost_model import StepShape
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import get_hardware, load_calibration
 from splitserve.sim.models import get_model
 from splitserve.sim.run import SimResult, simulate
 from splitserve.sim.step_timing import Sample, build_engine, measure, measure_peaks, medians
+from splitserve.workload.metrics import SLO, Summary, summarize
+from splitserve.workload.runs import Load, RunResult
+from splitserve.workload.sessions import RandomConfig
 
 # Timing against timing on a shared 2-core machine (docs/simulator.md, "A test of the 15%"):
 # it runs in `make test-timing`, not `make test`.

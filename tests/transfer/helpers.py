@@ -8,6 +8,8 @@ import time
 import torch
 
 from splitserve.common.kv_hash import hash_blocks, root_hash
+from splitserve.engine.kv_pages import KVCacheBlocks
+from splitserve.engine.shm_cache import SharedKVCache
 from splitserve.transfer import (
     KVConnectorScheduler,
     LeaseTable,
@@ -18,8 +20,6 @@ from splitserve.transfer import (
     get_connector,
 )
 from splitserve.transfer.base import KVServer
-from splitserve.transfer.kv_pages import KVCacheBlocks
-from splitserve.transfer.shm_cache import SharedKVCache
 
 L, NUM_BLOCKS, BS, KVH, HD = 2, 32, 4, 2, 8
 CACHE_SHAPE = (L, 2, NUM_BLOCKS, BS, KVH, HD)

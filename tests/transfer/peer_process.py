@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
+from splitserve.engine.kv_pages import KVCacheBlocks
 from splitserve.transfer import LeaseTable, TransferConfig, get_connector
-from splitserve.transfer.kv_pages import KVCacheBlocks
 from tests.transfer.helpers import SECRET, chain, make_cache
 
 

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from splitserve.engine.kv_pages import KVCacheBlocks
 from splitserve.transfer import (
     AuthenticationError,
     ChecksumMismatch,
@@ -19,7 +20,6 @@ from splitserve.transfer import (
     RemoteKV,
     TransferTimeout,
 )
-from splitserve.transfer.kv_pages import KVCacheBlocks
 from tests.transfer.helpers import (
     BLOCK_NBYTES,
     assert_blocks_equal,

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 
+from splitserve.engine.kv_pages import KVCacheBlocks
 from splitserve.transfer import (
     RemoteKV,
     TransferConfig,
     build_transfer_params,
     get_connector,
 )
-from splitserve.transfer.kv_pages import KVCacheBlocks
 from tests.transfer.helpers import BS, SECRET, assert_blocks_equal, chain, make_cache, plan_all
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
+from splitserve.engine.kv_pages import KVCacheBlocks
 from splitserve.transfer import AuthenticationError, ProtocolError, TransferConfig
-from splitserve.transfer.kv_pages import KVCacheBlocks
 from splitserve.transfer.tcp import TcpKVClient
 from splitserve.transfer.wire import HEADER, MAGIC, VERSION, Msg, pack_pull
 from tests.transfer.helpers import SECRET, assert_blocks_equal, plan_all

@@ -12,6 +12,8 @@ import threading
 import pytest
 import torch
 
+from splitserve.engine.kv_pages import KVCacheBlocks, PagedBytes, gather_blocks
+from splitserve.engine.shm_cache import SharedKVCache
 from splitserve.transfer import (
     ChecksumMismatch,
     ConnectionDropped,
@@ -21,9 +23,7 @@ from splitserve.transfer import (
     TransferConfig,
     get_connector,
 )
-from splitserve.transfer.kv_pages import KVCacheBlocks, PagedBytes, gather_blocks
 from splitserve.transfer.payload import checksum
-from splitserve.transfer.shm_cache import SharedKVCache
 from splitserve.transfer.wire import Channel
 from tests.transfer.helpers import (
     BLOCK_NBYTES,
@@ -101,7 +101,7 @@ def test_map_of_an_unlinked_cache_is_dropped(make_peer) -> None:
 def test_shared_cache_is_unlinked_when_its_process_is_killed(shm_prefix: str) -> None:
     code = (
         "import sys, torch\n"
-        "from splitserve.transfer.shm_cache import SharedKVCache\n"
+        "from splitserve.engine.shm_cache import SharedKVCache\n"
         f"c = SharedKVCache((4, 1024), torch.float32, {shm_prefix + 'cache-'!r})\n"
         "print(c.name, flush=True)\n"
         "sys.stdin.read()\n"

@@ -1,5 +1,3 @@
-"""The benchmark: workloads, trace replay, an async streaming client, SLO goodput, reports.
-
-Torch-free. ``workloads``, ``traces`` and ``metrics`` are also the simulator's inputs and
-outputs, so a simulated run and a measured one print the same summary from the same records.
-"""
+"""The benchmark: an async streaming client that plays ``splitserve.workload`` sessions
+against an endpoint, and ``bench compare``, which starts deployments and runs them side by
+side. Torch-free."""

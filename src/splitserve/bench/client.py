@@ -20,10 +20,10 @@ from typing import Any
 
 import httpx
 
-from splitserve.bench.metrics import RequestRecord
-from splitserve.bench.vocab import text_of
-from splitserve.bench.workloads import API_CHAT, SessionSpec
 from splitserve.common.tls import client_context
+from splitserve.workload.metrics import RequestRecord
+from splitserve.workload.sessions import API_CHAT, SessionSpec
+from splitserve.workload.vocab import text_of
 
 SESSION_HEADER = "X-Session-Id"
 

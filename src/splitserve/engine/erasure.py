@@ -18,12 +18,26 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from splitserve.common.kv_hash import BlockHash
 
 if TYPE_CHECKING:
-    from splitserve.engine.llm_engine import LLMEngine
+    from splitserve.engine.block_manager import BlockManager
+    from splitserve.engine.model_runner import ModelRunner
+    from splitserve.engine.tiering import Tiering
+
+
+class ErasableEngine(Protocol):
+    """What erasing needs of an engine (``LLMEngine``, which calls it)."""
+
+    block_manager: BlockManager
+    tiering: Tiering
+    kv_tiers: Any  # ``llm_engine.KVTiers`` or None
+    runner: ModelRunner
+
+    def housekeeping(self) -> None: ...
+
 
 SETTLE_TIMEOUT_S = 30.0
 
@@ -43,7 +57,7 @@ class ErasedBlocks:
         return asdict(self)
 
 
-def erase_blocks(engine: LLMEngine, hashes: Collection[BlockHash]) -> ErasedBlocks:
+def erase_blocks(engine: ErasableEngine, hashes: Collection[BlockHash]) -> ErasedBlocks:
     """Erase ``hashes`` from ``engine``'s pool, pins and tiers (see the module docstring)."""
     out = ErasedBlocks()
     if not hashes:
@@ -62,7 +76,7 @@ def erase_blocks(engine: LLMEngine, hashes: Collection[BlockHash]) -> ErasedBloc
     return out
 
 
-def settle_copies(engine: LLMEngine, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+def settle_copies(engine: ErasableEngine, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
     """Let every tier copy decided so far finish, and apply it. Raises ``TimeoutError``."""
     tiers = engine.kv_tiers
     if tiers is None:

@@ -20,9 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from splitserve.engine.tiering import BlockCopy, CopyDone
-from splitserve.kvstore import BlockMeta, TieredStore
-from splitserve.transfer.kv_pages import (
+from splitserve.engine.kv_pages import (
     as_bytes,
     block_nbytes,
     block_shape,
@@ -30,6 +28,8 @@ from splitserve.transfer.kv_pages import (
     gather_blocks,
     scatter_blocks,
 )
+from splitserve.engine.tiering import BlockCopy, CopyDone
+from splitserve.kvstore import BlockMeta, TieredStore
 
 # Loads first: a request waits on them, while a save only has to land before its block is
 # needed again. Saves keep their order among themselves (a counter breaks ties).

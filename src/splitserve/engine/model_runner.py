@@ -16,8 +16,10 @@ import torch
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.core_share import CoreShare
+from splitserve.engine.kv_pages import zero_blocks
 from splitserve.engine.plan import ScheduledChunk, StepPlan, StepResult
 from splitserve.engine.sampler import apply_penalties, sample, token_logprobs
+from splitserve.engine.shm_cache import SharedKVCache
 from splitserve.models.attention import (
     AttentionContext,
     DecodeGroup,
@@ -26,8 +28,6 @@ from splitserve.models.attention import (
 )
 from splitserve.models.llama import SplitGemv
 from splitserve.models.loader import LoadedModel
-from splitserve.transfer.kv_pages import zero_blocks
-from splitserve.transfer.shm_cache import SharedKVCache
 
 if TYPE_CHECKING:
     from splitserve.engine.grammar import GrammarMasks, PendingMasks

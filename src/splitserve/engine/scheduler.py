@@ -18,19 +18,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from splitserve.config import check_scheduling_policy
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.plan import ScheduledChunk, StepPlan, StepResult
 from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.engine.tiering import Admission, Tiering
-
-SCHEDULING_POLICIES = ("fcfs", "shortest-prefill")
-
-
-def check_scheduling_policy(policy: str) -> None:
-    """Raise ``ValueError`` unless ``policy`` is one of ``SCHEDULING_POLICIES``."""
-    if policy not in SCHEDULING_POLICIES:
-        known = ", ".join(SCHEDULING_POLICIES)
-        raise ValueError(f"scheduling policy must be one of {known}, got {policy!r}")
 
 
 @dataclass(slots=True)

@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-BlockHash = bytes
+from splitserve.common.kv_hash import BlockHash
+
 MAX_NDIM = 8
 MAX_DTYPE_LEN = 16
 

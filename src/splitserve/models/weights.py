@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from splitserve.models.llama import LlamaForCausalLM
+from splitserve.models.config import ModelConfig
+
+
+class Decoder(Protocol):
+    """The model the weights go into (``llama.LlamaForCausalLM``, which calls the loader)."""
+
+    config: ModelConfig
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
 
 # HF module suffix -> (our fused module suffix, shard index within it)
 _FUSED = {
@@ -23,9 +31,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class WeightLoader:
-    """Fills every parameter of a ``LlamaForCausalLM`` exactly once from HF-named tensors."""
+    """Fills every parameter of a decoder exactly once from HF-named tensors."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: Decoder) -> None:
         cfg = model.config
         self.params = dict(model.named_parameters())
         self.tied = cfg.tie_word_embeddings

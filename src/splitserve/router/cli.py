@@ -20,7 +20,7 @@ from splitserve.router.config import (
     RouterConfig,
 )
 from splitserve.router.policies import POLICIES
-from splitserve.router.ring import DEFAULT_LOAD_FLOOR
+from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR
 
 
 def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -39,27 +39,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workers", nargs="+", default=[], metavar="URL", help="collocated workers (role both)"
     )
-    p.add_argument(
-        "--policy",
-        default="session",
-        choices=sorted(POLICIES),
-        help="decode placement (default: session)",
-    )
-    p.add_argument("--prefill-policy", default="prefix", choices=sorted(POLICIES))
-    p.add_argument(
-        "--load-factor",
-        type=float,
-        default=1.25,
-        help="bounded loads: no worker above ceil(c * average) (default 1.25)",
-    )
-    p.add_argument(
-        "--load-floor",
-        type=int,
-        default=DEFAULT_LOAD_FLOOR,
-        metavar="N",
-        help="bounded loads: a session's home counts as full only from N requests "
-        f"(default {DEFAULT_LOAD_FLOOR})",
-    )
+    add_placement_args(p)
     p.add_argument(
         "--api-key",
         default=None,
@@ -92,23 +72,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="run the two-leg prefill/decode flow when prefill workers exist",
     )
     p.add_argument(
-        "--remote-prefill-threshold",
-        type=int,
-        default=DEFAULT_REMOTE_PREFILL_THRESHOLD,
-        metavar="TOKENS",
-        help="remote prefill only when the uncached prompt is at least this long",
-    )
-    p.add_argument(
         "--kv-prefetch-hints",
         action="store_true",
         help="send each session turn's prompt to its decode worker ahead of the request, so "
         "KV in its host-RAM/disk tiers is promoted while the request is routed",
-    )
-    p.add_argument(
-        "--kv-peer-fetch",
-        action="store_true",
-        help="name a session's home worker (kv_peer) in a turn placed elsewhere, so the "
-        "chosen worker pulls the session's KV from it (workers need --kv-peer)",
     )
     p.add_argument(
         "--kv-events",
@@ -139,6 +106,54 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     add_worker_ca_arg(p, "the router verifies")
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+
+
+def add_placement_args(p: argparse.ArgumentParser, prefill_policy: bool = True) -> None:
+    """The placement options (``router.placement``) of ``router``, ``serve`` and ``sim``."""
+    g = p.add_argument_group("placement")
+    g.add_argument(
+        "--policy",
+        default="session",
+        choices=sorted(POLICIES),
+        help="decode placement (default: session)",
+    )
+    if prefill_policy:
+        g.add_argument(
+            "--prefill-policy",
+            default="prefix",
+            choices=sorted(POLICIES),
+            help="prefill placement (default: prefix)",
+        )
+    g.add_argument(
+        "--load-factor",
+        type=float,
+        default=DEFAULT_LOAD_FACTOR,
+        metavar="C",
+        help="session policy: a worker holds at most ceil(C x average) requests "
+        f"(default {DEFAULT_LOAD_FACTOR}; with W workers, C >= W never moves a session)",
+    )
+    g.add_argument(
+        "--load-floor",
+        type=int,
+        default=DEFAULT_LOAD_FLOOR,
+        metavar="N",
+        help="session policy: a session's home worker counts as full only from N requests "
+        f"in flight, whatever C gives (default {DEFAULT_LOAD_FLOOR})",
+    )
+    g.add_argument(
+        "--remote-prefill-threshold",
+        type=int,
+        default=DEFAULT_REMOTE_PREFILL_THRESHOLD,
+        metavar="TOKENS",
+        help="prefill remotely only when the uncached prompt is at least this long "
+        f"(default {DEFAULT_REMOTE_PREFILL_THRESHOLD})",
+    )
+    g.add_argument(
+        "--kv-peer-fetch",
+        action="store_true",
+        help="a session turn placed off its busy home worker names the home (kv_peer), and "
+        "the chosen worker pulls the session's KV from it instead of recomputing it",
     )
 
 

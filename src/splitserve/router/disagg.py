@@ -8,10 +8,7 @@
                        └──req + those kv_transfer_params, streaming as asked──▶ decode worker
 
 Conditional: a remote prefill pays a KV transfer, so it is only worth it when the part of
-the prompt the decode worker does not already hold is long. The router does not tokenize;
-it estimates tokens from characters, and it assumes (statelessly, so that replicas agree) a
-session's home worker holds everything up to the last assistant message, which is exactly
-what the previous turn left in its cache.
+the prompt the decode worker does not already hold is long (``placement`` decides).
 """
 
 from __future__ import annotations
@@ -19,22 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 _ONE_TOKEN = {"max_tokens": 1, "stream": False, "n": 1}
-
-
-def uncached_chars(body: dict[str, Any], on_home: bool) -> int:
-    """Characters of the prompt the decode worker probably has not cached."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        start = _after_last_assistant(messages) if on_home else 0
-        return sum(_chars(m) for m in messages[start:])
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, list):
-        return 4 * len(prompt)  # token ids: report them in the same character currency
-    return 0
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -59,21 +40,3 @@ def accepted_params(response: Any) -> dict[str, Any] | None:
     if isinstance(params, dict) and params.get("do_remote_prefill") is True:
         return params
     return None
-
-
-def _after_last_assistant(messages: list[Any]) -> int:
-    for i in range(len(messages) - 1, -1, -1):
-        if isinstance(messages[i], dict) and messages[i].get("role") == "assistant":
-            return i + 1
-    return 0
-
-
-def _chars(message: Any) -> int:
-    if not isinstance(message, dict):
-        return 0
-    content = message.get("content")
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
-    return 0

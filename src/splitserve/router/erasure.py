@@ -32,7 +32,7 @@ from splitserve.router.errors import RouterError
 from splitserve.router.front import unauthorized
 from splitserve.router.membership import Membership
 from splitserve.router.proxy import Proxy
-from splitserve.router.upstream import UpstreamError
+from splitserve.router.response import UpstreamError
 
 ERASE_TIMEOUT_S = 60.0
 

@@ -16,8 +16,9 @@ from typing import Any
 import orjson
 
 from splitserve.common.access_log import AccessLog, usage_fields, wall_clock
-from splitserve.common.quotas import QuotaExceeded, Quotas, Ticket
+from splitserve.common.quotas import Quotas
 from splitserve.common.tenants import Tenant, Tenants
+from splitserve.router.admission import Admission, capped
 from splitserve.router.errors import RouterError
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.proxy import DECODE_HEADER, PREFILL_HEADER, Proxy
@@ -71,7 +72,7 @@ class Endpoint:
             tenant = self.tenants.authenticate(headers.get("authorization", ""))
             if tenant is None:
                 raise unauthorized("API key")
-            admission = Admission(self.quotas, tenant, self.metrics) if _capped(tenant) else None
+            admission = Admission(self.quotas, tenant, self.metrics) if capped(tenant) else None
             reply = await self._answer(scope, receive, headers, tenant, timeline, admission)
         except RouterError as e:
             await e.response()(scope, receive, send)
@@ -142,37 +143,6 @@ class Endpoint:
             if admission is not None:
                 admission.release()
             raise
-
-
-class Admission:
-    """One request's place in its tenant's in-flight limits at this router, taken once the
-    proxy knows the request's session (``Proxy.completion``), given back when it ends."""
-
-    def __init__(self, quotas: Quotas, tenant: Tenant, metrics: RouterMetrics) -> None:
-        self.quotas, self.tenant, self.metrics = quotas, tenant, metrics
-        self.ticket: Ticket | None = None
-
-    def admit(self, session: str | None) -> None:
-        try:
-            self.ticket = self.quotas.admit(self.tenant, session)
-        except QuotaExceeded as e:
-            self.metrics.quota_rejections.labels(e.limit).inc()
-            raise RouterError(
-                429,
-                f"{e} ({e.limit}); retry after {e.retry_after_s} s",
-                code="quota_exceeded",
-                headers={"Retry-After": str(e.retry_after_s)},
-            ) from e
-
-    def release(self) -> None:
-        if self.ticket is not None:
-            self.ticket.release()
-
-
-def _capped(tenant: Tenant) -> bool:
-    """Whether the router counts the tenant's requests (it enforces only in-flight limits)."""
-    limits = tenant.limits
-    return limits.requests_in_flight is not None or limits.session_requests_in_flight is not None
 
 
 class Front:

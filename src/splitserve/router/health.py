@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.router.upstream import Pool, UpstreamError
+from splitserve.router.response import UpstreamError
+from splitserve.router.upstream import Pool
 from splitserve.router.worker import LoadReport, Worker
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from splitserve.router.migration import StreamRelay
+from splitserve.router.response import Response, UpstreamError
 from splitserve.router.server import BodyWriter
-from splitserve.router.upstream import Response, UpstreamError
 
 
 class ClientGone(Exception):
@@ -69,7 +69,7 @@ class Leg:
             return e
         return None
 
-    # ---- upstream.Sink -----------------------------------------------------------------
+    # ---- response.Sink -----------------------------------------------------------------
 
     def data(self, piece: bytes) -> None:
         done, out = self._done, self._out

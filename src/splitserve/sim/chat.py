@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from splitserve.bench.workloads import API_CHAT, Segment, SessionSpec
+from splitserve.workload.sessions import API_CHAT, Segment, SessionSpec
 
 IM_START, IM_END, NEWLINE = 1, 2, 198
 ROLES = {"system": (9690,), "user": (4093,), "assistant": (520, 9531), "tool": (11696,)}

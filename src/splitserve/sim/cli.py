@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 
-from splitserve.bench.cli import add_run_args, loads_from_args, workload_from_args, write_outputs
-from splitserve.bench.load import Load
-from splitserve.bench.metrics import SLO, format_summary
-from splitserve.engine.scheduler import SCHEDULING_POLICIES
-from splitserve.router.policies import POLICIES
-from splitserve.router.ring import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR
+from splitserve.config import SCHEDULING_POLICIES
+from splitserve.router.cli import add_placement_args
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.hardware import HARDWARE, get_hardware, load_calibration
 from splitserve.sim.models import DTYPE_BYTES, MODELS, get_model
+from splitserve.workload.args import (
+    add_run_args,
+    loads_from_args,
+    workload_from_args,
+    write_outputs,
+)
+from splitserve.workload.metrics import SLO, format_summary
+from splitserve.workload.runs import Load
 
 
 def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -53,6 +57,7 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
 def _add_run_args(p: argparse.ArgumentParser, deployment: bool = True) -> None:
     """``splitserve bench``'s workload, load, SLO and output options, then the system."""
     add_run_args(p)
+    add_placement_args(p)
     s = p.add_argument_group("simulated system")
     s.add_argument("--hardware", default="h100", choices=sorted(HARDWARE))
     s.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
@@ -69,12 +74,7 @@ def _add_run_args(p: argparse.ArgumentParser, deployment: bool = True) -> None:
     s.add_argument(
         "--disk-kv-gb", type=float, default=0.0, help="local-disk KV tier per worker (0: none)"
     )
-    s.add_argument("--policy", default="session", choices=sorted(POLICIES))
-    s.add_argument("--prefill-policy", default="prefix", choices=sorted(POLICIES))
-    s.add_argument("--load-factor", type=float, default=DEFAULT_LOAD_FACTOR, metavar="C")
-    s.add_argument("--load-floor", type=int, default=DEFAULT_LOAD_FLOOR, metavar="N")
     s.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
-    s.add_argument("--remote-prefill-threshold", type=int, default=64)
     s.add_argument(
         "--host-cores",
         type=int,
@@ -82,11 +82,6 @@ def _add_run_args(p: argparse.ArgumentParser, deployment: bool = True) -> None:
         metavar="N",
         help="the workers share N CPU cores (one thread each, as bench compare runs them), "
         "with the serving work a calibration file measured (benchmarks/serving_cpu.py)",
-    )
-    s.add_argument(
-        "--kv-peer-fetch",
-        action="store_true",
-        help="a turn moved off its session's home pulls the home's KV (policy session)",
     )
     s.add_argument(
         "--itl", action="store_true", help="record every inter-token gap (ITL statistics)"

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-from splitserve.bench.metrics import RequestRecord
-from splitserve.bench.workloads import SessionSpec
-from splitserve.common.kv_hash import BlockChain, root_hash
+from splitserve.common.kv_hash import BlockChain, BlockHash, root_hash
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerConfig
 from splitserve.engine.sequence import Sequence
+from splitserve.router.placement import Decision, PlacementRules, Uncached, place
 from splitserve.router.policies import RequestInfo
 from splitserve.router.worker import Worker
 from splitserve.sim.chat import append_message, append_prompt, append_reply, rendered
@@ -39,7 +38,10 @@ from splitserve.sim.feed import ChainPlan, FedSessions
 from splitserve.sim.kv_moves import PREFILL_SUFFIX, KVMoves
 from splitserve.sim.shared_cores import SharedCores
 from splitserve.sim.state import SimRequest, SimStats, SimWorker
-from splitserve.sim.tiers import SimLadder, TierLoad
+from splitserve.sim.stepping import Stepping
+from splitserve.sim.tiers import SimLadder
+from splitserve.workload.metrics import RequestRecord
+from splitserve.workload.sessions import SessionSpec
 
 # First messages whose block chains a run keeps for the sessions opening with them: a
 # workload's shared system prompts number a few; unique openings stop counting here.
@@ -49,9 +51,8 @@ MAX_OPENINGS = 64
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """A run keeps millions of objects alive (token chains, cached blocks' tokens, records)
-    and makes no reference cycles worth collecting before it ends; the cyclic collector's
-    passes over them were a quarter of a large run. Reference counting still frees all
-    else at once.
+    and makes no reference cycles worth collecting before it ends, so the cyclic collector's
+    passes over them would only cost time. Reference counting still frees all else at once.
 
     Every object made while paused is counted in the youngest generation, so the first
     collection after it would scan them all (seconds at a million requests). Freezing and
@@ -73,12 +74,13 @@ def chain_plan(config: SimConfig) -> ChainPlan:
     return ChainPlan(root_hash(config.model.name), config.block_size, config.chat_template)
 
 
-class Cluster:
+class Cluster(Stepping):
     def __init__(self, config: SimConfig, deployment: Deployment) -> None:
         self.config = config
         self.deployment = deployment
         self.events = EventQueue()
-        self.root = root_hash(config.model.name)
+        self.root = root_hash(config.model.name)  # the default tenant's
+        self._roots: dict[str, BlockHash] = {"": self.root}
         self.stats = SimStats()
         self.cost = config.cost_model(deployment.tp)
         self.num_blocks = config.kv_blocks(self.cost)
@@ -101,12 +103,15 @@ class Cluster:
         self.by_router = {id(w.router): w for w in self.workers}
         self.decode_policy = config.routing_policy(config.policy)
         self.prefill_policy = config.routing_policy(config.prefill_policy)
+        self.rules = PlacementRules(
+            bool(self.prefill_pool), config.remote_prefill_threshold, config.kv_peer_fetch
+        )
         self._sessions: Iterator[SessionSpec] = iter(())
         self._fed: FedSessions | None = None
         self._contexts: dict[str, list[int]] = {}
         self._chains: dict[str, BlockChain] = {}
         self._prefix_keys: dict[str, str] = {}  # a session's prefill placement key
-        self._openings: dict[tuple[str, bool, tuple[int, ...]], BlockChain] = {}
+        self._openings: dict[tuple[str, str, bool, tuple[int, ...]], BlockChain] = {}
         self.moves = KVMoves(self)
         self.cores: SharedCores | None = None
         if config.host_cores:
@@ -176,10 +181,6 @@ class Cluster:
             self.events.run()
         return self.records
 
-    @property
-    def now(self) -> float:
-        return self.events.now
-
     def _next_session(self) -> None:
         if self._remaining is not None:
             if self._remaining <= 0:
@@ -192,13 +193,15 @@ class Cluster:
     def _session_arrives(self, spec: SessionSpec) -> None:
         self._next_session()
         self._contexts[spec.session_id] = []
-        chain = BlockChain(self.root, self.config.block_size)
+        chain = BlockChain(self._root(spec.tenant), self.config.block_size)
         opening = self._opening(spec)
         if opening is not None:
             chain.hashes.extend(opening.hashes)
             chain.tokens.extend(opening.tokens)
         if self._fed is not None:
-            chain.ahead = self._fed.take(spec.session_id)
+            ahead = self._fed.take(spec.session_id)
+            if not spec.tenant:  # hashed ahead from the default tenant's root
+                chain.ahead = ahead
         self._chains[spec.session_id] = chain
         # The first message's first 128 tokens, hashed once per session (not per turn).
         shared = spec.turns[0].segments[0].token_ids[:128]
@@ -212,19 +215,26 @@ class Cluster:
         cached from another session is recognised by identity rather than compared item by
         item, and is hashed once per run rather than once per session. The first
         ``MAX_OPENINGS`` distinct first messages are kept; a session opening with another
-        one hashes its own, as before."""
+        one hashes its own."""
         if not spec.turns or not spec.turns[0].segments:
             return None
         seg, chat = spec.turns[0].segments[0], self._chat(spec)
-        key = (seg.role, chat, seg.token_ids)
+        key = (spec.tenant, seg.role, chat, seg.token_ids)
         chain = self._openings.get(key)
         if chain is None and len(self._openings) < MAX_OPENINGS:
             tokens: list[int] = []
             append_message(tokens, seg, chat)
-            chain = BlockChain(self.root, self.config.block_size)
+            chain = BlockChain(self._root(spec.tenant), self.config.block_size)
             chain.extend(tokens, len(tokens) // self.config.block_size)
             self._openings[key] = chain
         return chain
+
+    def _root(self, tenant: str) -> BlockHash:
+        """The root of ``tenant``'s block chains."""
+        root = self._roots.get(tenant)
+        if root is None:
+            root = self._roots[tenant] = root_hash(self.config.model.name, tenant)
+        return root
 
     def _send(self, spec: SessionSpec, k: int) -> None:
         turn = spec.turns[k]
@@ -249,13 +259,10 @@ class Cluster:
             self._place(req, new_tokens)
 
     def _place(self, req: SimRequest, new_tokens: int) -> None:
-        d = self.by_router[id(self.decode_policy.select_worker(self.decode_candidates, req.info))]
-        req.decode = d
-        if self.prefill_pool and self._uncached(req, d, new_tokens) >= (
-            self.config.remote_prefill_threshold
-        ):
-            p_router = self.prefill_policy.select_worker(self._prefill_candidates, req.info)
-            req.prefill = p = self.by_router[id(p_router)]
+        decision = self.decide(req, new_tokens)
+        req.decode = d = self.by_router[id(decision.decode)]
+        if decision.prefill is not None:
+            req.prefill = p = self.by_router[id(decision.prefill)]
             p.router.in_flight += 1
             seq = self.sequence(req.rid + PREFILL_SUFFIX, req, 1, keep_blocks=True)
             self.outputs[seq.request_id] = self.outputs[req.rid]
@@ -264,7 +271,7 @@ class Cluster:
         else:
             d.router.in_flight += 1
             seq = self.sequence(req.rid, req, len(self.outputs[req.rid]))
-            home = self.moves.peer_home(req, d)
+            home = None if decision.peer is None else self.by_router[id(decision.peer)]
             if home is None or len(req.prompt) >= self.max_model_len:
                 self.admit(d, seq, req)
             else:
@@ -272,13 +279,28 @@ class Cluster:
                 self.on_engine_now(d, lambda: self.moves.peer_fetch(req, home, d, seq), blocks)
             self.stats.local_prefills += 1
 
-    def _uncached(self, req: SimRequest, d: SimWorker, new_tokens: int) -> int:
-        """The router's estimate: on its home worker a session has everything up to its
-        last reply cached (what the previous turn left); elsewhere nothing."""
-        if req.turn == 0:
-            return len(req.prompt)
+    def decide(self, req: SimRequest, new_tokens: int) -> Decision:
+        """The router's placement of ``req`` (``router.placement``). The uncached estimate
+        is the router's: on its home a session has everything up to its last reply cached
+        (what the previous turn left), elsewhere nothing; ``new_tokens`` is what followed."""
+        prompt = len(req.prompt)
         home = self.decode_policy.home_worker(self.decode_candidates, req.info)
-        return new_tokens if home is d.router else len(req.prompt)
+        uncached = Uncached(prompt if req.turn == 0 else new_tokens, prompt)
+        decision = place(
+            req.info,
+            self.decode_candidates,
+            self._prefill_for,
+            self.decode_policy,
+            self.prefill_policy,
+            home,
+            uncached,
+            self.rules,
+        )
+        assert decision is not None, "a simulated deployment has decode workers"
+        return decision
+
+    def _prefill_for(self, decode: Worker) -> tuple[Worker, ...]:
+        return self._prefill_candidates  # the prefill pool never decodes
 
     def sequence(
         self, rid: str, req: SimRequest, max_tokens: int, keep_blocks: bool = False
@@ -291,7 +313,7 @@ class Cluster:
             rid,
             list(req.prompt),
             params,
-            self.root,
+            req.chain.root,
             arrival_time=self.now,
             keep_blocks=keep_blocks,
             chain=req.chain,
@@ -305,118 +327,6 @@ class Cluster:
             self.outputs.pop(seq.request_id, None)
             self.fail(req, str(e))
             return
-        self._kick(w)
-
-    # ---- workers -------------------------------------------------------------------------
-
-    def on_engine_now(self, w: SimWorker, call: Callable[[], None], blocks: int) -> None:
-        """Run ``call`` on ``w``'s engine as the real worker's ``call_now`` runs it (the KV
-        pull's lookups, reserves and registers, a peer's lease): under the engine's lock,
-        while a model run is in progress, not after it. A decode run in progress is cut
-        after its current step, whose blocks stay its own: when ``call`` could take more
-        blocks than the pool holds beyond them (``blocks``, an upper bound), or ``w`` has
-        lower tiers (whose save order a call amid a run would change), it waits for the
-        step boundary, as ``on_engine``."""
-        if w.in_calls:
-            call()  # between steps already
-            return
-        if not w.busy or w.engine.tiering is not None:
-            self.on_engine(w, call)
-            return
-        if w.engine.in_run:
-            self._cut_run(w)
-        if w.engine.spare_blocks(blocks):
-            call()
-        else:
-            self.on_engine(w, call)
-
-    def _kick(self, w: SimWorker) -> None:
-        """Something changed for ``w``: start a step if idle, or end a decode run early."""
-        if w.in_calls:
-            return  # between steps already: _begin picks it up
-        if not w.busy:
-            self._begin(w)
-        elif w.engine.in_run and (w.calls or w.engine.admission_possible()):
-            self._cut_run(w)
-
-    def _cut_run(self, w: SimWorker) -> None:
-        """End ``w``'s decode run after the step in progress."""
-        if self.cores is not None:
-            self.cores.cut_run(w, self.now)
-            return
-        total = w.engine.interrupt(self.now - w.started)
-        if total is not None and total < w.duration:
-            self._schedule_end(w, total)
-
-    def _begin(self, w: SimWorker) -> None:
-        """Between steps: run the queued engine calls, then start the next step. A call
-        queued by a call waits for the next step boundary, unless the engine is idle."""
-        was_busy = w.busy
-        while True:
-            calls, w.calls = w.calls, []
-            w.in_calls = True
-            for call in calls:
-                call()
-            w.in_calls = False
-            duration = w.engine.begin()
-            if w.engine.tiering is not None:
-                self._start_loads(w)
-            if duration is not None and w.calls and w.engine.in_run:
-                duration = w.engine.interrupt(0.0)  # the queued calls wait one step only
-            if duration is not None:
-                w.busy = True
-                w.started = self.now
-                if self.cores is not None:
-                    self.cores.start(w, duration, was_busy, self.now)
-                else:
-                    self._schedule_end(w, duration)
-                return
-            if not w.calls:
-                w.busy = False
-                if self.cores is not None and was_busy:
-                    self.cores.stopped(w, self.now)
-                return
-
-    def _schedule_end(self, w: SimWorker, duration: float) -> None:
-        w.duration = duration
-        w.version += 1
-        self.events.at(w.started + duration, self._step_ends, (w, w.version))
-
-    def _step_ends(self, arg: tuple[SimWorker, int]) -> None:
-        w, version = arg
-        if version != w.version:
-            return  # superseded: the run was cut short
-        w.busy_s += w.duration
-        w.engine_s += w.duration if self.cores is None else w.work
-        w.steps += 1
-        report = w.engine.end()
-        self._handle(w, report)
-        if self.cores is not None:
-            self.cores.step_ended(w, self.now)
-        self._begin(w)
-
-    def _start_loads(self, w: SimWorker) -> None:
-        """Queue the tier loads ``w``'s engine just decided on its mover, one after another;
-        each lands at the step boundary after it ends."""
-        bs = self.config.block_size
-        for load in w.engine.take_loads():
-            start = max(self.now, w.mover_free)
-            w.mover_free = start + self.cost.tier_load_time(
-                load.host_blocks * bs, load.disk_blocks * bs
-            )
-            s = self.stats
-            s.tier_loads += 1
-            s.tier_blocks_host += load.host_blocks
-            s.tier_blocks_disk += load.disk_blocks
-            self.events.at(w.mover_free, self._loaded, (w, load))
-
-    def _loaded(self, arg: tuple[SimWorker, TierLoad]) -> None:
-        w, load = arg
-        self.on_engine(w, lambda: w.engine.land(load))
-
-    def on_engine(self, w: SimWorker, call: Callable[[], None]) -> None:
-        """Run ``call`` on ``w``'s engine between steps."""
-        w.calls.append(call)
         self._kick(w)
 
     def _handle(self, w: SimWorker, report: StepReport) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.engine.scheduler import check_scheduling_policy
+from splitserve.config import check_scheduling_policy
 from splitserve.router.config import DEFAULT_REMOTE_PREFILL_THRESHOLD
 from splitserve.router.policies import POLICIES, make_policy
 from splitserve.router.policies.base import RoutingPolicy

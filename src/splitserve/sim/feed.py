@@ -38,7 +38,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from splitserve.bench.workloads import (
+from splitserve.common.kv_hash import BlockHash, hash_blocks
+from splitserve.sim.chat import rendered, synthetic_stream
+from splitserve.workload.sessions import (
     AgenticConfig,
     MultiRoundQAConfig,
     RandomConfig,
@@ -46,8 +48,6 @@ from splitserve.bench.workloads import (
     Workload,
     session_rng,
 )
-from splitserve.common.kv_hash import BlockHash, hash_blocks
-from splitserve.sim.chat import rendered, synthetic_stream
 
 # The workloads whose sessions take their draws from ``sessions(rate, rngs)``.
 FED_WORKLOADS = (AgenticConfig, MultiRoundQAConfig, RandomConfig)

@@ -9,21 +9,48 @@ sooner); here a decode run in progress has counted on its free blocks, so they w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from splitserve.common.kv_hash import BlockHash
 from splitserve.engine.sequence import Sequence
-from splitserve.sim.state import SimRequest, SimWorker
-
-if TYPE_CHECKING:
-    from splitserve.sim.cluster import Cluster
+from splitserve.router.policies import RoutingPolicy
+from splitserve.sim.cost_model import CostModel
+from splitserve.sim.deployment import SimConfig
+from splitserve.sim.events import EventQueue
+from splitserve.sim.state import SimRequest, SimStats, SimWorker
 
 PREFILL_SUFFIX = "/prefill"
 
 
+class Host(Protocol):
+    """What the KV moves need of the simulated deployment (``cluster.Cluster``)."""
+
+    config: SimConfig
+    cost: CostModel
+    events: EventQueue
+    stats: SimStats
+    prefill_policy: RoutingPolicy
+    requests: dict[str, SimRequest]
+    outputs: dict[str, tuple[int, ...]]
+
+    @property
+    def now(self) -> float: ...
+
+    def sequence(
+        self, rid: str, req: SimRequest, max_tokens: int, keep_blocks: bool = False
+    ) -> Sequence: ...
+
+    def admit(self, w: SimWorker, seq: Sequence, req: SimRequest) -> None: ...
+
+    def on_engine(self, w: SimWorker, call: Callable[[], None]) -> None: ...
+
+    def on_engine_now(self, w: SimWorker, call: Callable[[], None], blocks: int) -> None: ...
+
+
 class KVMoves:
-    def __init__(self, cluster: Cluster) -> None:
-        self.c = cluster
+    def __init__(self, host: Host) -> None:
+        self.c = host
 
     # ---- disaggregation: the decode worker pulls the prefilled prompt --------------------
 
@@ -57,7 +84,7 @@ class KVMoves:
         below its pool count too, and their loads start now (they are not pulled)."""
         bm, tiering = d.engine.block_manager, d.engine.tiering
         if tiering is not None:
-            held, loading = tiering.prefetch(prompt, self.c.root)
+            held, loading = tiering.prefetch(prompt, seq.root_hash)
             return held + loading
         usable = bm.reusable_blocks(len(prompt))
         return len(bm.cached_chain(bm.chain(seq, usable), usable))
@@ -119,15 +146,6 @@ class KVMoves:
         c.admit(d, c.sequence(req.rid, req, len(c.outputs[req.rid])), req)
 
     # ---- peer KV fetch: a moved turn pulls its session's KV from the home ----------------
-
-    def peer_home(self, req: SimRequest, d: SimWorker) -> SimWorker | None:
-        """The session's home, when the ring placed this turn on another worker and the
-        router names the home to pull from (``kv_peer_fetch``)."""
-        c = self.c
-        if not c.config.kv_peer_fetch:
-            return None
-        home = c.decode_policy.home_worker(c.decode_candidates, req.info)
-        return None if home is None or home is d.router else c.by_router[id(home)]
 
     def peer_fetch(self, req: SimRequest, home: SimWorker, d: SimWorker, seq: Sequence) -> None:
         """D's engine: what it holds of the prompt. With all it could reuse held here, the

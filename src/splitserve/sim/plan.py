@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from splitserve.bench.metrics import SLO
-from splitserve.bench.workloads import Workload
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.run import simulate
+from splitserve.workload.metrics import SLO
+from splitserve.workload.sessions import Workload
 
 
 @dataclass(frozen=True, slots=True)

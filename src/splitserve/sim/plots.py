@@ -1,4 +1,4 @@
-"""PNG maps of simulated comparisons (matplotlib, headless); runs plot with bench.report."""
+"""PNG maps of simulated comparisons (matplotlib, headless); runs plot with workload.report."""
 
 from __future__ import annotations
 

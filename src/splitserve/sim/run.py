@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from splitserve.bench.load import RunResult
-from splitserve.bench.metrics import SLO, summarize
-from splitserve.bench.workloads import Workload, within
 from splitserve.sim.cluster import Cluster, chain_plan
 from splitserve.sim.deployment import Deployment, SimConfig
 from splitserve.sim.feed import fed_sessions
+from splitserve.workload.metrics import SLO, summarize
+from splitserve.workload.runs import RunResult
+from splitserve.workload.sessions import Workload, within
 
 
 @dataclass(slots=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from splitserve.bench.metrics import RequestRecord
-from splitserve.bench.workloads import SessionSpec
 from splitserve.common.kv_hash import BlockChain
 from splitserve.router.policies import RequestInfo
 from splitserve.router.worker import Worker
 from splitserve.sim.engine import SimEngine
+from splitserve.workload.metrics import RequestRecord
+from splitserve.workload.sessions import SessionSpec
 
 
 @dataclass(slots=True, eq=False)

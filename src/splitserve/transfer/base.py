@@ -27,7 +27,7 @@ from splitserve.transfer.faults import FaultInjection
 if TYPE_CHECKING:
     import torch
 
-    from splitserve.transfer.kv_pages import PagedBytes
+    from splitserve.engine.kv_pages import PagedBytes
     from splitserve.transfer.lease import LeaseTable
     from splitserve.transfer.scheduler import LoadPlan, RemoteKV
 

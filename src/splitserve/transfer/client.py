@@ -14,11 +14,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
 
+from splitserve.engine.kv_pages import dtype_name
 from splitserve.transfer.auth import PayloadCipher, client_handshake
 from splitserve.transfer.base import BlockSink, KVClient, PullResult, TransferConfig
 from splitserve.transfer.connections import Connection, IdleConnections
 from splitserve.transfer.errors import PeerUnreachable, ProtocolError
-from splitserve.transfer.kv_pages import dtype_name
 from splitserve.transfer.payload import BatchMeta, check_batch, unpack_batch
 from splitserve.transfer.scheduler import LoadPlan, RemoteKV
 from splitserve.transfer.wire import Channel, Frame, Msg, pack_pull, pack_str

@@ -33,16 +33,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from splitserve.engine.kv_pages import PagedBytes, dtype_name
 from splitserve.transfer.auth import PayloadCipher
 from splitserve.transfer.base import BlockSink, BlockSource, KVConnector, TransferConfig
 from splitserve.transfer.client import ThreadedKVClient, batches
 from splitserve.transfer.errors import ProtocolError
-from splitserve.transfer.kv_pages import PagedBytes, dtype_name
 from splitserve.transfer.lease import Lease, LeaseTable
 from splitserve.transfer.payload import BatchMeta, BlockEntry, checksum, pack_batch, verify
 from splitserve.transfer.scheduler import LoadPlan
+from splitserve.transfer.segment_maps import SEGMENT_PREFIX, SegmentMaps
 from splitserve.transfer.server import FaultDrop, ThreadedKVServer
-from splitserve.transfer.shm_cache import SEGMENT_PREFIX, SegmentMaps
 from splitserve.transfer.shm_pool import DEFAULT_MAX_IDLE_BYTES, SegmentPool
 from splitserve.transfer.wire import FLAG_CHECKSUMS, Channel, Msg
 

@@ -22,11 +22,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from splitserve.engine.kv_pages import PagedBytes, dtype_name
 from splitserve.transfer.auth import GCM_TAG_BYTES, PayloadCipher, block_aad
 from splitserve.transfer.base import BlockSink, BlockSource, KVConnector
 from splitserve.transfer.client import ThreadedKVClient, batches, expect_layout
 from splitserve.transfer.errors import ProtocolError
-from splitserve.transfer.kv_pages import PagedBytes, dtype_name
 from splitserve.transfer.lease import Lease, LeaseTable
 from splitserve.transfer.payload import (
     BatchMeta,

@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 
 from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S, WORKER_ROLES
 from splitserve.common.tls import client_context
+from splitserve.engine.kv_pages import KVCacheBlocks, block_shape, dtype_name
 from splitserve.engine.outputs import KeptBlocks
 from splitserve.transfer import (
     FaultInjection,
@@ -41,7 +42,6 @@ from splitserve.transfer import (
     build_transfer_params,
     get_connector,
 )
-from splitserve.transfer.kv_pages import KVCacheBlocks, block_shape, dtype_name
 from splitserve.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.transfer.kv_pages import block_nbytes, gather_blocks, scatter_blocks
+from splitserve.engine.kv_pages import block_nbytes, gather_blocks, scatter_blocks
 from tests.transfer.helpers import BS, HD, KVH, L, assert_blocks_equal, make_cache
 
 

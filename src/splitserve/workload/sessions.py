@@ -29,7 +29,7 @@ from typing import Protocol
 
 import numpy as np
 
-from splitserve.bench.vocab import TEXT_ID_BASE, WORDS, text_of
+from splitserve.workload.vocab import TEXT_ID_BASE, WORDS, text_of
 
 API_CHAT = "chat"  # /v1/chat/completions with messages
 API_COMPLETIONS = "completions"  # /v1/completions with a token-id prompt
@@ -93,6 +93,9 @@ class SessionSpec:
     turns: tuple[TurnSpec, ...]
     api: str = API_CHAT
     sticky: bool = True  # send X-Session-Id (trace replay leaves placement to the prefix)
+    # Whose KV it is: a tenant's blocks hash from a root salted with its name
+    # (``common.kv_hash.root_hash``), so no other tenant's prompt hits them; "": the default.
+    tenant: str = ""
 
     def __init__(
         self,
@@ -102,6 +105,7 @@ class SessionSpec:
         turns: tuple[TurnSpec, ...],
         api: str = API_CHAT,
         sticky: bool = True,
+        tenant: str = "",
     ) -> None:
         object.__setattr__(self, "session_id", session_id)
         object.__setattr__(self, "arrival_s", arrival_s)
@@ -109,6 +113,7 @@ class SessionSpec:
         object.__setattr__(self, "turns", turns)
         object.__setattr__(self, "api", api)
         object.__setattr__(self, "sticky", sticky)
+        object.__setattr__(self, "tenant", tenant)
 
     def prompt_token_ids(self, k: int, outputs: Sequence[Sequence[int]] | None = None) -> list[int]:
         """The token view of turn k's whole prompt: every earlier segment and reply, then

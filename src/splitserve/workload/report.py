@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from splitserve.bench.load import RunResult
-from splitserve.bench.metrics import Summary
+from splitserve.workload.metrics import Summary
+from splitserve.workload.runs import RunResult
 
 # (column, figure, higher is better)
 FIGURES: list[tuple[str, Callable[[Summary], float], bool]] = [

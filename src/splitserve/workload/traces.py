@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from splitserve.bench.workloads import (
+from splitserve.workload.sessions import (
     API_COMPLETIONS,
     TOKEN_ID_HI,
     TOKEN_ID_LO,
@@ -51,11 +51,11 @@ _BLOCKS, _UNSHARED, _OUTPUTS = 3, 4, 5  # random streams of one seed
 
 def traces_dir() -> Path:
     """``$SPLITSERVE_TRACES_DIR``, else the traces shipped in the package
-    (``splitserve/bench/data/traces``: the Mooncake FAST'25 traces and their license)."""
+    (``splitserve/workload/data/traces``: the Mooncake FAST'25 traces and their license)."""
     env = os.environ.get("SPLITSERVE_TRACES_DIR")
     if env:
         return Path(env)
-    return Path(str(resources.files("splitserve.bench").joinpath("data", "traces")))
+    return Path(str(resources.files("splitserve.workload").joinpath("data", "traces")))
 
 
 def resolve_trace(name: str) -> Path:

@@ -1,0 +1,36 @@
+"""The KV salt of a request, as the router sees it (``common.tenants.kv_salt``).
+
+Builtin workers derive the salt themselves from the tenant the router signs. vLLM workers
+know no tenants, so the router hands them the salt as vLLM's own ``cache_salt`` (the
+client's folded in): tenants then never share vLLM's prefix cache either. Either way the
+router knows the salt the workers hash with, which its KV-event index needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitserve.common.tenants import kv_salt
+
+
+def salt_for_vllm(body: dict[str, Any], tenant: str, secret: bytes) -> bool:
+    """Put the request's KV salt in ``body`` as ``cache_salt`` for a vLLM worker; True
+    when ``body`` changed (the empty salt leaves it as it is)."""
+    own = body.get("cache_salt")
+    if own is not None and not isinstance(own, str):
+        return False  # vLLM answers the malformed field with its own 400
+    salt = kv_salt(secret, tenant, own)
+    if not salt:
+        return False
+    body["cache_salt"] = salt
+    return True
+
+
+def request_salt(body: dict[str, Any], tenant: str, secret: bytes, engine: str) -> str:
+    """The salt the workers hash this request's blocks with: what a builtin worker derives
+    from the signed tenant, or what ``salt_for_vllm`` put in a vLLM worker's body."""
+    own = body.get("cache_salt")
+    own = own if isinstance(own, str) else None
+    if engine == "vllm":
+        return own or ""
+    return kv_salt(secret, tenant, own)
