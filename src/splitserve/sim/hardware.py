@@ -201,7 +201,7 @@ HARDWARE: dict[str, HardwareProfile] = {
             # `splitserve sim calibrate --repeats 5` on 2026-12-02 00:52 UTC on a quiet machine
             # (load average < 1.1), the engine's fused decode path on, refitted with the fused
             # path's own compute efficiency: rms error 3.7%, max 8.4% over its 13 step shapes
-            # (docs/runs/2026-12-02/cal-before-refit.json, docs/simulator.md).
+            # (the run is tabled in docs/journal/2026-12-02.md; docs/simulator.md).
             compute_eff=1.0,
             memory_eff=0.62,
             attention_eff=0.32,
