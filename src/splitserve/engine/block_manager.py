@@ -12,58 +12,16 @@ head of the queue so that cached ones are evicted last, oldest first.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 from splitserve.common.kv_hash import BlockChain, BlockHash
+from splitserve.engine.block_views import Blocks
+from splitserve.engine.cache_events import CacheEvents, SaltNames, report_runs
 from splitserve.engine.free_queue import FreeQueue
 from splitserve.engine.sequence import Sequence
 
-MAX_NAMED_SALTS = 4096  # salts whose root hash the block manager can name (note_salt)
-
-
-class Block:
-    """A view of one block's state; the manager keeps that state in flat lists, one entry
-    per block (a simulated cluster holds 10^7 blocks: an object each is seconds to build)."""
-
-    __slots__ = ("_bm", "block_id")
-
-    def __init__(self, bm: BlockManager, block_id: int) -> None:
-        self._bm, self.block_id = bm, block_id
-
-    @property
-    def ref_count(self) -> int:
-        return self._bm._ref[self.block_id]
-
-    @property
-    def hash(self) -> BlockHash | None:
-        return self._bm._hash[self.block_id]
-
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        """The block's tokens, kept to rule out hash collisions."""
-        return self._bm._tokens[self.block_id]
-
-    @token_ids.setter
-    def token_ids(self, tokens: tuple[int, ...]) -> None:
-        self._bm._tokens[self.block_id] = tokens
-
-
-class _Blocks:
-    """``bm.blocks[i]``: a ``Block`` view made on demand (for inspection and tests)."""
-
-    def __init__(self, bm: BlockManager) -> None:
-        self._bm = bm
-
-    def __len__(self) -> int:
-        return len(self._bm._ref)
-
-    def __getitem__(self, block_id: int) -> Block:
-        if not 0 <= block_id < len(self):
-            raise IndexError(block_id)
-        return Block(self._bm, block_id)
+__all__ = ["BlockManager", "CacheEvents", "PrefixMatch"]
 
 
 @dataclass(slots=True)
@@ -80,23 +38,6 @@ class PrefixMatch:
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
-
-
-class CacheEvents(Protocol):
-    """Hears what the prefix cache gains and loses (``common.kv_events.BlockEventSink``
-    publishes it as KV events). ``stored``: consecutive blocks of one chain, the first
-    chained to ``parent`` (None: a prompt's first block, hashed from the root of ``salt``),
-    with their tokens."""
-
-    def stored(
-        self,
-        hashes: list[BlockHash],
-        parent: BlockHash | None,
-        blocks: list[tuple[int, ...]],
-        salt: str = "",
-    ) -> None: ...
-    def removed(self, block_hash: BlockHash) -> None: ...
-    def cleared(self) -> None: ...
 
 
 class BlockManager:
@@ -118,14 +59,14 @@ class BlockManager:
         self._ref = [0] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._tokens: list[tuple[int, ...]] = [()] * num_blocks
-        self.blocks = _Blocks(self)
+        self.blocks = Blocks(self)
         self._free = FreeQueue(num_blocks)
         self._cached: dict[BlockHash, int] = {}
         self.prefix_queries = 0  # blocks looked up on admission
         self.prefix_hits = 0  # of which served from the cache
         self.on_evict = on_evict
         self.events: CacheEvents | None = None
-        self._salts: OrderedDict[BlockHash, str] = OrderedDict()  # root hash -> its salt
+        self._salts = SaltNames()  # root hash -> its salt, for ``events``
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -389,16 +330,10 @@ class BlockManager:
             events.cleared()
 
     def note_salt(self, root: BlockHash, salt: str) -> None:
-        """``root`` is the root hash of ``salt``'s chains: a chain's first block is reported
-        to ``events`` with its salt (as vLLM's KV events carry a request's cache salt), so
-        that who indexes the events tells tenants' blocks apart. The last
-        ``MAX_NAMED_SALTS`` salts are kept."""
-        if not salt or self.events is None:
-            return
-        self._salts[root] = salt
-        self._salts.move_to_end(root)
-        if len(self._salts) > MAX_NAMED_SALTS:
-            self._salts.popitem(last=False)
+        """``root`` is the root hash of ``salt``'s chains: a chain's first block is told to
+        ``events`` with its salt (``engine.cache_events``)."""
+        if salt and self.events is not None:
+            self._salts.name(root, salt)
 
     def _take(self, block_ids: list[int]) -> None:
         ref, free = self._ref, self._free
@@ -452,26 +387,8 @@ class BlockManager:
         new: set[BlockHash],
         root: BlockHash | None = None,
     ) -> None:
-        """Tell ``events`` of the runs of ``new`` blocks in ``hashes`` (a stretch of one chain
-        whose block before is ``parent``; ``root``: the chain's), each run chained to the
-        block before it::
-
-            parent  hashes:  h0  h1  h2  h3        new = {h0, h1, h3}
-            stored:         [h0  h1]    [h3]       parents: parent, h2
-        """
         assert self.events is not None
-        i, end = 0, len(hashes)
-        while i < end:
-            if hashes[i] not in new:
-                i += 1
-                continue
-            j = i
-            while j < end and hashes[j] in new:
-                j += 1
-            before = hashes[i - 1] if i else parent
-            salt = self._salts.get(root, "") if before is None and root is not None else ""
-            self.events.stored(hashes[i:j], before, tokens[i:j], salt)
-            i = j
+        report_runs(self.events, parent, hashes, tokens, new, self._salts.of(root))
 
 
 def _same(stored: tuple[int, ...], tokens: tuple[int, ...]) -> bool:
