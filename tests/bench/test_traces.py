@@ -121,7 +121,7 @@ def test_missing_trace_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_the_shipped_conversation_trace_replays(monkeypatch):
     monkeypatch.delenv("SPLITSERVE_TRACES_DIR", raising=False)
-    assert traces_dir().parts[-3:] == ("bench", "data", "traces")
+    assert traces_dir().parts[-3:] == ("workload", "data", "traces")
     trace = load_trace("mooncake", "conversation")
     first = list(itertools.islice(trace.sessions(2.0), 200))
     assert len(first) == 200 and first[-1].arrival_s > 0
