@@ -143,6 +143,7 @@ def test_every_choice_carries_its_logprobs(client, worker):
 
 
 def test_every_choice_of_a_forced_tool_call_is_parsed(client, worker):
+    session = f"n-tools-{uuid.uuid4().hex}"
     r = chat(
         client,
         worker,
@@ -153,12 +154,17 @@ def test_every_choice_of_a_forced_tool_call_is_parsed(client, worker):
         n=2,
         tools=[WEATHER_TOOL],
         tool_choice="required",
+        extra_headers={"X-Session-Id": session},
     )
     for c in r.choices:
         assert c.finish_reason == "tool_calls"
         (call,) = c.message.tool_calls
         assert call.function.name == "get_weather"
         assert isinstance(json.loads(call.function.arguments), dict)
+    # The calls pinned the session's KV for its next turn; erase it, leaving the pool idle.
+    erased = httpx.delete(f"{worker.url}/v1/sessions/{session}", headers=worker.headers)
+    assert erased.status_code == 200, erased.text
+    assert worker.load()["kv_blocks_used"] == 0
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,10 @@ routes and a request's KV transfer: ``worker.kv_api``)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -39,6 +36,7 @@ from splitserve.worker.choices import (
     request_blocks,
 )
 from splitserve.worker.disagg import DisaggConfig
+from splitserve.worker.disconnect import ClientGone, unless_disconnected
 from splitserve.worker.erasure import erasure_routes, own_stream
 from splitserve.worker.errors import APIError, bad_request, install_handlers
 from splitserve.worker.kv_api import (
@@ -77,11 +75,6 @@ from splitserve.worker.tier_metrics import TierCollector
 log = logging.getLogger(__name__)
 # How long a stopping worker waits for pending KV tier copies and disk writes.
 TIER_FLUSH_S = 5.0
-T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client disconnected before its non-streamed response was ready."""
 
 
 def create_app(
@@ -281,7 +274,7 @@ async def _serve(
         )
         return SSEResponse(events, headers={"Cache-Control": "no-cache"})
     try:
-        outs = await _unless_disconnected(request, collect_choices(stream, tracker, n))
+        outs = await unless_disconnected(request, collect_choices(stream, tracker, n))
     except ClientGone:
         return Response(status_code=499)  # nobody is listening; the request was aborted
     except EngineError as e:
@@ -380,24 +373,3 @@ def _note_usage(request: Request, out: RequestOutput) -> None:
         state.cached_tokens = out.num_cached_tokens
     done = getattr(state, "completion_tokens", None) or 0
     state.completion_tokens = done + len(out.outputs[0].token_ids)
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``, cancelling it (which aborts the request) if the client disconnects."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise ClientGone()
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
