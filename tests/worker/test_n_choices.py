@@ -5,6 +5,7 @@ choices, and the combinations that stay a 400."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -15,7 +16,10 @@ import pytest
 from procs import metric
 from tool_chat import WEATHER_TOOL
 
+from splitserve.common.tenants import Tenants
 from splitserve.worker.choices import choice_seed, request_blocks
+from splitserve.worker.server import create_app
+from tests.worker.fake_engine import FakeEngine
 
 BLOCK = 16
 HITS = 'splitserve:kv_tier_hits_total{tier="device"}'
@@ -196,3 +200,28 @@ def test_a_request_of_n_choices_counts_the_shared_prompt_blocks_once():
     assert request_blocks(40, 10, 1, 16) == 4
     assert request_blocks(40, 10, 3, 16) == 2 + 3 * 2
     assert request_blocks(16, 16, 2, 16) == 0 + 2 * 2  # the only full block holds the last token
+
+
+def test_a_tenants_kv_block_quota_counts_every_choice(tmp_path):
+    # "hi" plus 60 tokens: 4 blocks a choice, none shared (no full prompt block); a tenant
+    # allowed 8 blocks runs n=2 and is refused n=3, naming the limit.
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps([{"key": "sk-n", "tenant": "t", "limits": {"kv_blocks": 8}}]))
+    app = create_app(FakeEngine(), tenants=Tenants.load(keys))
+    body = {"prompt": "hi", "max_tokens": 60, "temperature": 0}
+
+    async def main() -> list[httpx.Response]:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            headers = {"Authorization": "Bearer sk-n"}
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://test", headers=headers, timeout=30
+            ) as client:
+                return [await client.post("/v1/completions", json={**body, "n": n}) for n in (2, 3)]
+
+    two, three = asyncio.run(main())
+    assert two.status_code == 200, two.text
+    assert [c["index"] for c in two.json()["choices"]] == [0, 1]
+    assert two.json()["usage"]["completion_tokens"] == 120
+    assert three.status_code == 429, three.text
+    assert "kv_blocks" in three.json()["error"]["message"]
