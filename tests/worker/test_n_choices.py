@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 
 import httpx
@@ -165,10 +166,11 @@ def test_every_choice_of_a_forced_tool_call_is_parsed(client, worker):
         (call,) = c.message.tool_calls
         assert call.function.name == "get_weather"
         assert isinstance(json.loads(call.function.arguments), dict)
-    # The calls pinned the session's KV for its next turn; erase it, leaving the pool idle.
+    # The calls pinned the session's KV for its next turn; erase it, leaving no pin behind
+    # for the tests that wait for an idle pool.
     erased = httpx.delete(f"{worker.url}/v1/sessions/{session}", headers=worker.headers)
     assert erased.status_code == 200, erased.text
-    assert worker.load()["kv_blocks_used"] == 0
+    assert erased.json()["blocks"] > 0 and erased.json()["in_use"] == 0
 
 
 @pytest.mark.parametrize(
@@ -225,3 +227,30 @@ def test_a_tenants_kv_block_quota_counts_every_choice(tmp_path):
     assert two.json()["usage"]["completion_tokens"] == 120
     assert three.status_code == 429, three.text
     assert "kv_blocks" in three.json()["error"]["message"]
+
+
+def test_leaving_a_stream_of_choices_aborts_every_choice(worker):
+    body = {"prompt": "Count to a thousand:", "max_tokens": 400, "n": 3, "ignore_eos": True}
+    with httpx.stream(
+        "POST",
+        f"{worker.url}/v1/completions",
+        json={**body, "stream": True},
+        headers=worker.headers,
+        timeout=60,
+    ) as r:
+        lines = r.iter_lines()  # held: a dropped line iterator closes the response
+        assert next(line for line in lines if line.startswith("data: {"))
+        assert in_flight_becomes(worker, 3)
+    assert in_flight_becomes(worker, 0)
+
+
+def in_flight_becomes(worker, count: int, timeout: float = 15.0) -> bool:
+    """Whether the worker's running plus waiting requests reach ``count`` (its load is
+    published after each engine step)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        load = worker.load()
+        if load["running"] + load["waiting"] == count:
+            return True
+        time.sleep(0.02)
+    return False
