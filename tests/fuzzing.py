@@ -40,6 +40,7 @@ MAX_MODEL_LEN = 256
 # requests without one get it: a hostile value (0, -1, 2**63, the context or more) is sent
 # as generated. ``tests/fuzz/test_hostile.py`` sends the omitted and the huge ones by hand.
 MAX_GENERATED_TOKENS = 4
+MAX_GENERATED_CHOICES = 2  # likewise for a valid ``n``
 REQUEST_TIMEOUT_S = 30.0  # no answer within this is a hang
 MAX_ROUNDS = 5
 GREEDY = {
@@ -130,7 +131,8 @@ def greedy_answer(url: str, headers: dict[str, str]) -> str:
 
 
 def bounded(body: object, path: str) -> None:
-    """Lower a valid generated ``max_tokens`` in place (see ``MAX_GENERATED_TOKENS``)."""
+    """Lower a valid generated ``max_tokens`` and ``n`` in place (see
+    ``MAX_GENERATED_TOKENS``)."""
     responses = path.endswith("/v1/responses")
     if not isinstance(body, dict) or not (path.endswith("completions") or responses):
         return
@@ -139,6 +141,9 @@ def bounded(body: object, path: str) -> None:
         value = body.get(name)
         if type(value) is int and MAX_GENERATED_TOKENS < value < MAX_MODEL_LEN:
             body[name] = MAX_GENERATED_TOKENS
+    n = body.get("n")
+    if type(n) is int and MAX_GENERATED_CHOICES < n <= 128:  # each choice decodes its own
+        body["n"] = MAX_GENERATED_CHOICES
     unset = all(body.get(name) is None for name in limits)
     if unset and (responses or path.endswith("/chat/completions")):
         body[limits[0]] = MAX_GENERATED_TOKENS

@@ -245,3 +245,37 @@ def poll(cond, timeout: float) -> None:
             return
         time.sleep(0.2)
     raise AssertionError("condition not met in time")
+
+
+def test_a_decode_leg_of_n_choices_pulls_the_prompt_once(cluster, offline):
+    d, p = cluster["d"], cluster["p_tcp"]
+    prompt = prompts(31, 2)[1][:200]
+    received = metric(d, "splitserve:kv_blocks_received_total")
+    params = prefill_leg(p, prompt)
+    r = as_router(d, "/v1/completions", body(prompt, n=3, kv_transfer_params=params), SECRET)
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == reference(offline, [prompt]) * 3
+    usable = (len(prompt) - 1) // 16
+    assert metric(d, "splitserve:kv_blocks_received_total") - received == usable
+
+
+def test_a_prefill_leg_of_n_choices_is_a_400(cluster):
+    leg = body([5, 6, 7], max_tokens=1, n=2, kv_transfer_params={"do_remote_decode": True})
+    r = as_router(cluster["p_tcp"], "/v1/completions", leg, SECRET, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "n"
+
+
+def test_n_choices_wait_for_a_chunked_prefill_and_share_it(cluster, offline):
+    # 1,100 tokens: choice 0's prefill takes two steps (1,024-token budget). Choices added
+    # after the first chunk would compute the second one again; they wait for all of it.
+    d = cluster["d"]
+    prompt = prompts(32, 2)[1]
+    assert len(prompt) > 1024
+    hits = metric(d, 'splitserve:kv_tier_hits_total{tier="device"}')
+    misses = metric(d, 'splitserve:kv_tier_misses_total{tier="device"}')
+    r = as_router(d, "/v1/completions", body(prompt, n=3, max_tokens=2), SECRET, timeout=120)
+    assert r.status_code == 200, r.text
+    usable = (len(prompt) - 1) // 16
+    assert metric(d, 'splitserve:kv_tier_misses_total{tier="device"}') - misses == usable
+    assert metric(d, 'splitserve:kv_tier_hits_total{tier="device"}') - hits == 2 * usable

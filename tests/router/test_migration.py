@@ -214,6 +214,8 @@ def test_client_that_asked_for_token_ids_keeps_them_across_a_migration(workers3,
         ({"repetition_penalty": 1.2}, False),
         ({"tools": [{"type": "function"}], "tool_choice": "none"}, True),
         ({"tools": [{"type": "function"}]}, False),
+        ({"n": 1}, True),
+        ({"n": 2}, False),
     ],
 )
 def test_streams_with_sampler_state_are_not_resumed_elsewhere(extra, resumable):

@@ -50,7 +50,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, words
         (CHAT, {"messages": USER, "top_p": 0}, "top_p", ""),
         (CHAT, {"messages": USER, "max_tokens": 0}, "max_tokens", ""),
         (CHAT, {"messages": USER, "max_tokens": True}, "max_tokens", "integer"),
-        (CHAT, {"messages": USER, "n": 2}, "n", "n=1"),
+        (COMPLETIONS, {"prompt": "x", "n": 2, "best_of": 1}, "best_of", "n > 1"),
         (CHAT, {"messages": USER, "stop": [""]}, "stop", "non-empty"),
         (
             CHAT,

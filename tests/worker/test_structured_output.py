@@ -279,7 +279,6 @@ def test_a_non_strict_tool_whose_schema_cannot_be_enforced_is_served_unconstrain
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"n": 2}, "n"),
         ({"tool_choice": "required"}, "tool_choice"),
         (
             {

@@ -93,8 +93,11 @@ def resumable_request(body: dict[str, Any]) -> bool:
     Not when the request offers tools: the worker holds back text that may be a tool call
     until the reply ends, so a resumed leg (plain ``/v1/completions``) could not rebuild the
     calls. Nor when its sampling has state a resumed leg would not carry: a grammar
-    (``response_format``), penalties over the tokens so far, logprobs. Such a stream is
+    (``response_format``), penalties over the tokens so far, logprobs. Nor with ``n > 1``:
+    its choices' chunks interleave, and a resumed leg is one sequence. Such a stream is
     relayed as it is and ends with an error event on a failure."""
+    if body.get("n") not in (None, 1):
+        return False
     if body.get("tools") and body.get("tool_choice") != "none":
         return False
     fmt = body.get("response_format")

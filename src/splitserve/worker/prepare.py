@@ -169,6 +169,8 @@ def completion_input(req: CompletionRequest, model: ModelInfo) -> EngineInput:
             raise bad_request(f"{name} is not supported", param=name)
     if req.best_of not in (None, 1):
         raise bad_request("best_of must be 1", param="best_of")
+    if req.best_of is not None and (req.n or 1) > 1:
+        raise bad_request("best_of cannot be combined with n > 1", param="best_of")
     prompt = _single_prompt(req.prompt)
     if isinstance(prompt, str):
         text, ids = prompt, list(model.tokenizer.encode(prompt))
@@ -186,8 +188,6 @@ def completion_input(req: CompletionRequest, model: ModelInfo) -> EngineInput:
 
 
 def _check_common(req: _SamplingFields) -> None:
-    if req.n not in (None, 1):
-        raise bad_request("only n=1 is supported", param="n")
     if req.stream_options is not None and not req.stream:
         raise bad_request(
             "stream_options is only allowed when stream is true", param="stream_options"

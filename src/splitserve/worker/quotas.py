@@ -44,21 +44,23 @@ def over_limit(e: QuotaExceeded) -> APIError:
 
 class CountedStream:
     """A request's output stream that returns its ticket when closed (every consumer
-    closes its stream), counting the prompt and generated tokens it used."""
+    closes its stream), counting the prompt and generated tokens it used: the prompt once,
+    the tokens of every choice (``outputs[0].index``)."""
 
     def __init__(self, inner: Any, ticket: Ticket, prompt_tokens: int) -> None:
         self._inner, self._ticket = inner, ticket
         self._tokens = prompt_tokens
-        self._generated = 0
+        self._generated: dict[int, int] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         async for out in self._inner:
-            self._generated = len(out.outputs[0].token_ids)
+            completion = out.outputs[0]
+            self._generated[completion.index] = len(completion.token_ids)
             yield out
 
     def close(self) -> None:
         self._inner.close()
-        self._ticket.release(self._tokens + self._generated)
+        self._ticket.release(self._tokens + sum(self._generated.values()))

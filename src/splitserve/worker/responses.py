@@ -38,8 +38,12 @@ from splitserve.worker.tool_calls import (
 DONE = "data: [DONE]\n\n"
 
 
-def usage_of(out: RequestOutput) -> Usage:
-    return Usage.of(len(out.prompt_token_ids), len(out.outputs[0].token_ids), out.num_cached_tokens)
+def usage_of(outs: list[RequestOutput]) -> Usage:
+    """A request's usage over its choices, as OpenAI counts it: the prompt once (with what
+    was cached of it when choice 0 started), the completion tokens of every choice."""
+    first = outs[0]
+    completion = sum(len(out.outputs[0].token_ids) for out in outs)
+    return Usage.of(len(first.prompt_token_ids), completion, first.num_cached_tokens)
 
 
 def token_id_fields(out: RequestOutput, on: bool) -> tuple[dict, dict]:
@@ -52,58 +56,64 @@ def token_id_fields(out: RequestOutput, on: bool) -> tuple[dict, dict]:
 def chat_response(
     request_id: str,
     model: str,
-    out: RequestOutput,
+    outs: list[RequestOutput],
     kv_transfer_params: dict | None,
     token_ids: bool = False,
     tools: bool = False,
     logprobs: LogprobFormatter | None = None,
     parallel_tool_calls: bool = True,
 ) -> ChatCompletionResponse:
-    """``tools``: the request offered tools, so calls in the reply become ``tool_calls`` (only
+    """The final outputs of the request's choices (in index order) as one response.
+    ``tools``: the request offered tools, so calls in each reply become ``tool_calls`` (only
     the first without ``parallel_tool_calls``). ``logprobs``: the request asked for them."""
-    completion = out.outputs[0]
-    top, per_choice = token_id_fields(out, token_ids)
-    reply = parse_tool_calls(completion.text) if tools else ParsedReply(completion.text)
-    calls = reply.tool_calls if parallel_tool_calls else reply.tool_calls[:1]
-    choice = ChatChoice(
-        message=ResponseMessage(content=reply.content, tool_calls=calls),
-        finish_reason=finish_reason_with_calls(completion.finish_reason, calls),
-        logprobs=_logprobs_of(out, logprobs, chat=True),
-        **per_choice,
-    )
+    choices = []
+    for index, out in enumerate(outs):
+        completion = out.outputs[0]
+        reply = parse_tool_calls(completion.text) if tools else ParsedReply(completion.text)
+        calls = reply.tool_calls if parallel_tool_calls else reply.tool_calls[:1]
+        choice = ChatChoice(
+            index=index,
+            message=ResponseMessage(content=reply.content, tool_calls=calls),
+            finish_reason=finish_reason_with_calls(completion.finish_reason, calls),
+            logprobs=_logprobs_of(out, logprobs, chat=True),
+            **token_id_fields(out, token_ids)[1],
+        )
+        choices.append(choice)
     return ChatCompletionResponse(
         id=request_id,
         model=model,
-        choices=[choice],
-        usage=usage_of(out),
+        choices=choices,
+        usage=usage_of(outs),
         kv_transfer_params=kv_transfer_params,
-        **top,
+        **token_id_fields(outs[0], token_ids)[0],
     )
 
 
 def completion_response(
     request_id: str,
     model: str,
-    out: RequestOutput,
+    outs: list[RequestOutput],
     kv_transfer_params: dict | None,
     token_ids: bool = False,
     logprobs: LogprobFormatter | None = None,
 ) -> CompletionResponse:
-    completion = out.outputs[0]
-    top, per_choice = token_id_fields(out, token_ids)
-    choice = CompletionChoice(
-        text=completion.text,
-        finish_reason=completion.finish_reason,
-        logprobs=_logprobs_of(out, logprobs, chat=False),
-        **per_choice,
-    )
+    choices = [
+        CompletionChoice(
+            index=index,
+            text=out.outputs[0].text,
+            finish_reason=out.outputs[0].finish_reason,
+            logprobs=_logprobs_of(out, logprobs, chat=False),
+            **token_id_fields(out, token_ids)[1],
+        )
+        for index, out in enumerate(outs)
+    ]
     return CompletionResponse(
         id=request_id,
         model=model,
-        choices=[choice],
-        usage=usage_of(out),
+        choices=choices,
+        usage=usage_of(outs),
         kv_transfer_params=kv_transfer_params,
-        **top,
+        **token_id_fields(outs[0], token_ids)[0],
     )
 
 
@@ -116,11 +126,20 @@ def _logprobs_of(out: RequestOutput, fmt: LogprobFormatter | None, chat: bool) -
 
 async def collect(stream: RequestStream, tracker: RequestTracker) -> RequestOutput:
     """Run a request to the end and return its final output; cancelling it aborts the request."""
+    return (await collect_choices(stream, tracker, 1))[0]
+
+
+async def collect_choices(stream: Any, tracker: Any, n: int) -> list[RequestOutput]:
+    """Run a request of ``n`` choices to the end and return their final outputs in index
+    order; cancelling it aborts the request."""
+    finals: dict[int, RequestOutput] = {}
     try:
         async for out in stream:
             tracker.on_output(out)
             if out.finished:
-                return out
+                finals[out.outputs[0].index] = out
+                if len(finals) == n:
+                    return [finals[i] for i in range(n)]
     finally:
         stream.close()
     raise EngineError("the request ended without a final output")
@@ -145,21 +164,25 @@ class _Chunks:
         self.include_usage = include_usage
         # ``return_token_ids``: the first chunk names the prompt's ids (then this is cleared).
         self.prompt_token_ids = prompt_token_ids
+        self.with_ids = prompt_token_ids is not None  # and every token chunk its token ids
         self.head: dict[str, Any] = {
             "id": request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": now(),
             "model": model,
         }
-        before, after = self.choice(_SLOT, None).split(_dumps(_SLOT))
-        self._text_before, self._text_after = before, after
+        self._templates: dict[int, tuple[str, str]] = {}  # choice index -> text chunk halves
 
-    def text(self, text: str) -> str:
-        return f"{self._text_before}{_dumps(text)}{self._text_after}"
+    def text(self, text: str, index: int = 0) -> str:
+        halves = self._templates.get(index)
+        if halves is None:
+            before, after = self.choice(_SLOT, None, index=index).split(_dumps(_SLOT))
+            halves = self._templates[index] = (before, after)
+        return f"{halves[0]}{_dumps(text)}{halves[1]}"
 
-    def tokens(self, text: str, token_ids: list[int]) -> str:
+    def tokens(self, text: str, token_ids: list[int], index: int = 0) -> str:
         """A chunk with ``text`` and the ``token_ids`` it came from (``return_token_ids``)."""
-        return self.choice(text, None, token_ids=token_ids)
+        return self.choice(text, None, token_ids=token_ids, index=index)
 
     def choice(
         self,
@@ -168,20 +191,21 @@ class _Chunks:
         role: bool = False,
         token_ids: list[int] | None = None,
         logprobs: dict[str, Any] | None = None,
+        index: int = 0,
     ) -> str:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
             choice = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         else:
             choice = {
-                "index": 0,
+                "index": index,
                 "text": text or "",
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
@@ -195,23 +219,29 @@ class _Chunks:
             chunk["prompt_token_ids"], self.prompt_token_ids = self.prompt_token_ids, None
         return _sse(chunk)
 
-    def tool_calls(self, calls: list[dict[str, Any]]) -> str:
+    def tool_calls(self, calls: list[dict[str, Any]], index: int = 0) -> str:
         """One chunk with every call whole: names and arguments are known only at the end."""
         delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-        return _sse(
-            {
-                **self.head,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
-            }
-        )
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return _sse({**self.head, "choices": [choice]})
 
-    def usage(self, out: RequestOutput) -> str:
-        return _sse({**self.head, "choices": [], "usage": usage_of(out).model_dump()})
+    def usage(self, outs: list[RequestOutput]) -> str:
+        return _sse({**self.head, "choices": [], "usage": usage_of(outs).model_dump()})
 
 
 # Stands in for the text while rendering the template; it must not occur anywhere else in a
 # chunk, and ids and model names hold no control characters.
 _SLOT = "\x00"
+
+
+class _ChoiceState:
+    """What one choice's stream carries between its outputs."""
+
+    __slots__ = ("calls", "offset")
+
+    def __init__(self, tools: bool) -> None:
+        self.calls = ToolCallStream() if tools else None
+        self.offset = 0  # text completions: where the next token's text starts
 
 
 async def sse_events(
@@ -226,56 +256,50 @@ async def sse_events(
     on_tool_calls: Callable[[RequestOutput], Awaitable[None]] | None = None,
     logprobs: LogprobFormatter | None = None,
     parallel_tool_calls: bool = True,
+    n: int = 1,
 ) -> AsyncIterator[str]:
-    """The server-sent events of one streamed completion, ending with ``data: [DONE]``.
+    """The server-sent events of one streamed completion of ``n`` choices, ending with
+    ``data: [DONE]``. Every chunk names its choice's ``index``; each choice ends with its
+    own ``finish_reason`` chunk, and the usage chunk (``include_usage``) follows the last.
 
     With ``prompt_token_ids`` (the ``return_token_ids`` extension) the first chunk carries
     them and every token gets a chunk with its ids, even one whose text is held back (empty):
     a reader must see every generated id to resume the stream elsewhere. With ``tools``,
     text that may be a tool call is held back and sent at the end as ``tool_calls``, and
-    ``on_tool_calls`` runs once they are sent (only the first call without
-    ``parallel_tool_calls``). With ``logprobs`` every token's chunk carries its
+    ``on_tool_calls`` runs once, after the first choice's calls are sent (only the first
+    call without ``parallel_tool_calls``). With ``logprobs`` every token's chunk carries its
     log-probabilities, even when its text is held back.
     """
     chunks = _Chunks(request_id, model, chat, include_usage, prompt_token_ids)
-    with_ids = prompt_token_ids is not None
-    calls = ToolCallStream() if tools else None
-    offset = 0  # text completions: where the next token's text starts
+    states = [_ChoiceState(tools) for _ in range(n)]
+    finals: dict[int, RequestOutput] = {}
     if chat:
-        yield chunks.choice("", None, role=True)
+        for index in range(n):
+            yield chunks.choice("", None, role=True, index=index)
     try:
         async for out in stream:
             tracker.on_output(out)
-            text = calls.feed(out.delta_text) if calls else out.delta_text
-            lp = None
-            if logprobs is not None and out.delta_logprobs:
-                if chat:
-                    lp = logprobs.chat(out.delta_logprobs)
-                else:
-                    lp = logprobs.completion(out.delta_logprobs, offset)
-                    offset += sum(len(t) for t in lp["tokens"])
-            if lp is not None:
-                ids = out.delta_token_ids if with_ids else None
-                yield chunks.choice(text, None, token_ids=ids, logprobs=lp)
-            elif with_ids and out.delta_token_ids:
-                yield chunks.tokens(text, out.delta_token_ids)
-            elif text:
-                yield chunks.text(text)
-            if out.finished:
-                finish_reason = out.outputs[0].finish_reason
-                if calls:
-                    reply = calls.finish()
-                    if reply.content:
-                        yield chunks.text(reply.content)
-                    found = reply.tool_calls if parallel_tool_calls else reply.tool_calls[:1]
-                    if found:
-                        yield chunks.tool_calls(found)
-                        if on_tool_calls is not None:
-                            await on_tool_calls(out)
-                    finish_reason = finish_reason_with_calls(finish_reason, found)
-                yield chunks.choice(None if chat else "", finish_reason)
-                if include_usage:
-                    yield chunks.usage(out)
+            index = out.outputs[0].index
+            for event in _token_chunks(chunks, states[index], out, index, logprobs):
+                yield event
+            if not out.finished:
+                continue
+            state, finish_reason = states[index], out.outputs[0].finish_reason
+            if state.calls:
+                reply = state.calls.finish()
+                if reply.content:
+                    yield chunks.text(reply.content, index)
+                found = reply.tool_calls if parallel_tool_calls else reply.tool_calls[:1]
+                if found:
+                    yield chunks.tool_calls(found, index)
+                    if on_tool_calls is not None:
+                        await on_tool_calls(out)
+                        on_tool_calls = None
+                finish_reason = finish_reason_with_calls(finish_reason, found)
+            yield chunks.choice(None if chat else "", finish_reason, index=index)
+            finals[index] = out
+            if include_usage and len(finals) == n:
+                yield chunks.usage([finals[i] for i in range(n)])
     except EngineError as e:
         # Headers are gone already: report in-band, the way OpenAI streams report errors.
         yield _sse(
@@ -286,6 +310,33 @@ async def sse_events(
         # here: this runs when the response closes this generator after a disconnect.
         stream.close()
     yield DONE
+
+
+def _token_chunks(
+    chunks: _Chunks,
+    state: _ChoiceState,
+    out: RequestOutput,
+    index: int,
+    logprobs: LogprobFormatter | None,
+) -> list[str]:
+    """The chunks for the tokens one output of a choice added."""
+    text = state.calls.feed(out.delta_text) if state.calls else out.delta_text
+    lp = None
+    if logprobs is not None and out.delta_logprobs:
+        if chunks.chat:
+            lp = logprobs.chat(out.delta_logprobs)
+        else:
+            lp = logprobs.completion(out.delta_logprobs, state.offset)
+            state.offset += sum(len(t) for t in lp["tokens"])
+    with_ids = chunks.with_ids
+    if lp is not None:
+        ids = out.delta_token_ids if with_ids else None
+        return [chunks.choice(text, None, token_ids=ids, logprobs=lp, index=index)]
+    if with_ids and out.delta_token_ids:
+        return [chunks.tokens(text, out.delta_token_ids, index)]
+    if text:
+        return [chunks.text(text, index)]
+    return []
 
 
 def _dumps(data: Any) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -27,6 +28,13 @@ from splitserve.common.tenants import Tenants
 from splitserve.engine.outputs import RequestOutput
 from splitserve.worker.async_engine import AsyncEngine, EngineError, EngineLike, QueueFull
 from splitserve.worker.auth import WorkerAuth
+from splitserve.worker.choices import (
+    ChoiceStreams,
+    ChoiceTrackers,
+    choice_id,
+    choice_params,
+    request_blocks,
+)
 from splitserve.worker.disagg import DisaggConfig
 from splitserve.worker.disconnect import ClientGone, unless_disconnected
 from splitserve.worker.erasure import erasure_routes, own_stream
@@ -57,7 +65,7 @@ from splitserve.worker.response_store import ResponseStore
 from splitserve.worker.responses import (
     SSEResponse,
     chat_response,
-    collect,
+    collect_choices,
     completion_response,
     sse_events,
 )
@@ -222,18 +230,29 @@ async def _serve(
     if tools and hasattr(async_engine.engine, "retain_prefix"):
         session = request.state.session or request_id
         on_tool_calls = tool_call_pin(async_engine, session, salt)
-    blocks = _blocks(inp, async_engine.engine)
+    n = req.n or 1
+    blocks = _blocks(inp, async_engine.engine, n)
     quotas = request.app.state.quotas
     ticket = admit(quotas, auth, request, session_of(req, request), blocks, metrics)
     try:
         inp, keep = await kv_transfer(req, inp, kv, request)
-        stream = await _add(async_engine, request_id, inp, keep, salt, options)
+        if n > 1:
+            if keep:
+                raise bad_request("a prefill leg (do_remote_decode) must have n=1", param="n")
+            stream = await _add_choices(
+                request, req, request_id, inp, salt, options, n, async_engine
+            )
+        else:
+            stream = await _add(async_engine, request_id, inp, keep, salt, options)
     except BaseException:
         ticket.release()
         raise
     stream = CountedStream(stream, ticket, len(inp.prompt_token_ids))
-    stream = own_stream(request, req, request_id, inp.prompt_token_ids, stream)
-    tracker = metrics.track(lambda out: _note_usage(request, out))
+    if n == 1:
+        stream = own_stream(request, req, request_id, inp.prompt_token_ids, stream)
+        tracker = metrics.track(lambda out: _note_usage(request, out))
+    else:
+        tracker = ChoiceTrackers(lambda: metrics.track(lambda out: _note_usage(request, out)), n)
     logprobs = LogprobFormatter(model.tokenizer) if inp.params.logprobs is not None else None
     parallel = getattr(req, "parallel_tool_calls", None) is not False
     if req.stream:
@@ -251,33 +270,36 @@ async def _serve(
             on_tool_calls,
             logprobs,
             parallel,
+            n,
         )
         return SSEResponse(events, headers={"Cache-Control": "no-cache"})
     try:
-        out = await unless_disconnected(request, collect(stream, tracker))
+        outs = await unless_disconnected(request, collect_choices(stream, tracker, n))
     except ClientGone:
         return Response(status_code=499)  # nobody is listening; the request was aborted
     except EngineError as e:
         raise APIError(500, str(e)) from e
     params = req.kv_transfer_params
+    out = outs[0]
     if out.kept_blocks is not None and kv.prefill is not None:
         params = kv.prefill.grant(request_id, out.kept_blocks, len(out.prompt_token_ids))
     if chat:
         response = chat_response(
             request_id,
             model.name,
-            out,
+            outs,
             params,
             req.return_token_ids,
             tools,
             logprobs,
             parallel,
         )
-        if on_tool_calls and response.choices[0].finish_reason == "tool_calls":
-            await on_tool_calls(out)
+        reasons = [c.finish_reason for c in response.choices]
+        if on_tool_calls and "tool_calls" in reasons:
+            await on_tool_calls(outs[reasons.index("tool_calls")])
     else:
         response = completion_response(
-            request_id, model.name, out, params, req.return_token_ids, logprobs
+            request_id, model.name, outs, params, req.return_token_ids, logprobs
         )
     return JSONResponse(response.model_dump())
 
@@ -308,15 +330,46 @@ async def _add(
         raise APIError(503, str(e), code="engine_unavailable") from e
 
 
-def _blocks(inp: EngineInput, engine: Any) -> int:
-    """The KV blocks a request may come to hold: its prompt and every token it may write."""
+async def _add_choices(
+    request: Request,
+    req: ChatCompletionRequest | CompletionRequest,
+    request_id: str,
+    inp: EngineInput,
+    salt: str,
+    options: dict[str, Any],
+    n: int,
+    async_engine: AsyncEngine,
+) -> ChoiceStreams:
+    """The request's ``n`` choices, each an engine request of its own; choices 1..n-1 are
+    added once choice 0 has computed the prompt, so they take its blocks from the cache."""
+    choices = ChoiceStreams(n)
+    try:
+        for i in range(n):
+            if i == 1 and not await choices.first_output():
+                break  # choice 0 failed: iterating the choices raises its error
+            choice = replace(inp, params=choice_params(inp.params, i))
+            rid = choice_id(request_id, i)
+            stream = await _add(async_engine, rid, choice, False, salt, options)
+            choices.add(own_stream(request, req, rid, inp.prompt_token_ids, stream))
+    except BaseException:
+        choices.close()
+        raise
+    return choices
+
+
+def _blocks(inp: EngineInput, engine: Any, n: int = 1) -> int:
+    """The KV blocks a request may come to hold: its prompt and every token it may write,
+    for each of its ``n`` choices (the prompt blocks they share counted once)."""
     block_size = getattr(getattr(engine, "config", None), "block_size", 16)
-    return -(-(len(inp.prompt_token_ids) + inp.params.max_tokens) // block_size)
+    return request_blocks(len(inp.prompt_token_ids), inp.params.max_tokens, n, block_size)
 
 
 def _note_usage(request: Request, out: RequestOutput) -> None:
-    """The token counts of a finished request, for the access log."""
+    """The token counts of a finished request (or choice), for the access log: the prompt
+    once, the completion tokens of every choice."""
     state = request.state
-    state.prompt_tokens = len(out.prompt_token_ids)
-    state.cached_tokens = out.num_cached_tokens
-    state.completion_tokens = len(out.outputs[0].token_ids)
+    if out.outputs[0].index == 0:
+        state.prompt_tokens = len(out.prompt_token_ids)
+        state.cached_tokens = out.num_cached_tokens
+    done = getattr(state, "completion_tokens", None) or 0
+    state.completion_tokens = done + len(out.outputs[0].token_ids)
