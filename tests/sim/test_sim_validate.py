@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
 import json
 from pathlib import Path
@@ -112,13 +113,16 @@ def test_speed_from_run_scales_the_steps_to_the_runs_engine_cpu(tmp_path, capsys
 
 def test_a_real_run_past_saturation_is_flagged():
     sv = load_script()
-    runs_dir = Path(__file__).resolve().parents[2] / "docs" / "runs" / "2026-12-02b"
+    # Three deployments' request records from two real `bench compare` runs of 2026-12-02
+    # (docs/journal/2026-12-02.md), kept as they were written.
+    stored = (
+        Path(__file__).resolve().parents[1] / "data" / "sim_validate" / "saturation-runs.json.gz"
+    )
+    runs = json.loads(gzip.decompress(stored.read_bytes()))
     slo = SLO.parse("ttft:1000,tpot:250", "jct:40000")
 
     def real(name: str, deployment: str):
-        run = next(
-            r for r in json.loads((runs_dir / name).read_text()) if r["deployment"] == deployment
-        )
+        run = next(r for r in runs[name] if r["deployment"] == deployment)
         records = [RequestRecord(**r) for r in run["requests"]]
         return summarize(records, run["summary"]["duration_s"], slo)
 
