@@ -37,11 +37,11 @@ from splitserve.common.responses_api import (
     response_object,
     usage,
 )
-from splitserve.common.sampling_params import InvalidParameter
 from splitserve.engine.outputs import RequestOutput
-from splitserve.worker.async_engine import AsyncEngine, EngineError, QueueFull
+from splitserve.worker.async_engine import AsyncEngine, EngineError
 from splitserve.worker.auth import WorkerAuth
 from splitserve.worker.disconnect import ClientGone, unless_disconnected
+from splitserve.worker.engine_calls import add_request, kv_blocks, note_usage
 from splitserve.worker.erasure import _erase, tenant_of
 from splitserve.worker.errors import APIError, bad_request
 from splitserve.worker.kv_api import KVSides, tool_call_pin
@@ -174,10 +174,15 @@ async def _serve(
     request.state.request_id, request.state.session = turn.id, turn.session
     salt = request.state.kv_salt = auth.salt(request, None)
     ticket = admit(
-        request.app.state.quotas, auth, request, turn.session, _blocks(inp, async_engine), metrics
+        request.app.state.quotas,
+        auth,
+        request,
+        turn.session,
+        kv_blocks(inp, async_engine.engine),
+        metrics,
     )
     try:
-        stream = await _add(async_engine, turn, inp, salt)
+        stream = await add_request(async_engine, turn.id, inp, False, salt, {})
     except BaseException:
         ticket.release()
         raise
@@ -185,7 +190,7 @@ async def _serve(
     if owners is not None:
         key = owners.begin(tenant_of(request), turn.session, turn.id, salt, inp.prompt_token_ids)
         stream = OwnedStream(stream, owners, key, salt, inp.prompt_token_ids)
-    tracker = metrics.track(lambda out: _note_usage(request, out))
+    tracker = metrics.track(lambda out: note_usage(request, out))
     pin = None
     if turn.tools and hasattr(async_engine.engine, "retain_prefix"):
         pin = tool_call_pin(async_engine, turn.session, salt)
@@ -231,30 +236,3 @@ def _finish(
         context = (*turn.context, reply)
         store.put(tenant, StoredResponse(turn.id, turn.chain, body, context))
     return body
-
-
-async def _add(async_engine: AsyncEngine, turn: _Turn, inp: EngineInput, salt: str) -> Any:
-    try:
-        return await async_engine.add(
-            turn.id, inp.prompt_token_ids, inp.params, inp.prompt, keep_blocks=False, salt=salt
-        )
-    except QueueFull as e:
-        raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full") from e
-    except InvalidParameter as e:
-        raise bad_request(str(e), param=e.param) from e
-    except EngineError as e:
-        raise APIError(503, str(e), code="engine_unavailable") from e
-
-
-def _blocks(inp: EngineInput, async_engine: AsyncEngine) -> int:
-    """The KV blocks the turn may come to hold: its prompt and every token it may write."""
-    block_size = getattr(getattr(async_engine.engine, "config", None), "block_size", 16)
-    return -(-(len(inp.prompt_token_ids) + inp.params.max_tokens) // block_size)
-
-
-def _note_usage(request: Request, out: RequestOutput) -> None:
-    """The token counts of a finished turn, for the access log."""
-    state = request.state
-    state.prompt_tokens = len(out.prompt_token_ids)
-    state.cached_tokens = out.num_cached_tokens
-    state.completion_tokens = len(out.outputs[0].token_ids)

@@ -23,20 +23,18 @@ from splitserve.common.protocol import (
     make_id,
 )
 from splitserve.common.quotas import Quotas
-from splitserve.common.sampling_params import InvalidParameter
 from splitserve.common.tenants import Tenants
-from splitserve.engine.outputs import RequestOutput
-from splitserve.worker.async_engine import AsyncEngine, EngineError, EngineLike, QueueFull
+from splitserve.worker.async_engine import AsyncEngine, EngineError, EngineLike
 from splitserve.worker.auth import WorkerAuth
 from splitserve.worker.choices import (
     ChoiceStreams,
     ChoiceTrackers,
     choice_id,
     choice_params,
-    request_blocks,
 )
 from splitserve.worker.disagg import DisaggConfig
 from splitserve.worker.disconnect import ClientGone, unless_disconnected
+from splitserve.worker.engine_calls import add_request, kv_blocks, note_usage
 from splitserve.worker.erasure import erasure_routes, own_stream
 from splitserve.worker.errors import APIError, bad_request, install_handlers
 from splitserve.worker.kv_api import (
@@ -231,7 +229,7 @@ async def _serve(
         session = request.state.session or request_id
         on_tool_calls = tool_call_pin(async_engine, session, salt)
     n = req.n or 1
-    blocks = _blocks(inp, async_engine.engine, n)
+    blocks = kv_blocks(inp, async_engine.engine, n)
     quotas = request.app.state.quotas
     ticket = admit(quotas, auth, request, session_of(req, request), blocks, metrics)
     try:
@@ -243,16 +241,16 @@ async def _serve(
                 request, req, request_id, inp, salt, options, n, async_engine
             )
         else:
-            stream = await _add(async_engine, request_id, inp, keep, salt, options)
+            stream = await add_request(async_engine, request_id, inp, keep, salt, options)
     except BaseException:
         ticket.release()
         raise
     stream = CountedStream(stream, ticket, len(inp.prompt_token_ids))
     if n == 1:
         stream = own_stream(request, req, request_id, inp.prompt_token_ids, stream)
-        tracker = metrics.track(lambda out: _note_usage(request, out))
+        tracker = metrics.track(lambda out: note_usage(request, out))
     else:
-        tracker = ChoiceTrackers(lambda: metrics.track(lambda out: _note_usage(request, out)), n)
+        tracker = ChoiceTrackers(lambda: metrics.track(lambda out: note_usage(request, out)), n)
     logprobs = LogprobFormatter(model.tokenizer) if inp.params.logprobs is not None else None
     parallel = getattr(req, "parallel_tool_calls", None) is not False
     if req.stream:
@@ -304,32 +302,6 @@ async def _serve(
     return JSONResponse(response.model_dump())
 
 
-async def _add(
-    async_engine: AsyncEngine,
-    request_id: str,
-    inp: EngineInput,
-    keep: bool,
-    salt: str,
-    options: dict[str, Any],
-) -> Any:
-    try:
-        return await async_engine.add(
-            request_id,
-            inp.prompt_token_ids,
-            inp.params,
-            inp.prompt,
-            keep_blocks=keep,
-            salt=salt,
-            **options,
-        )
-    except QueueFull as e:
-        raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full") from e
-    except InvalidParameter as e:
-        raise bad_request(str(e), param=e.param) from e
-    except EngineError as e:
-        raise APIError(503, str(e), code="engine_unavailable") from e
-
-
 async def _add_choices(
     request: Request,
     req: ChatCompletionRequest | CompletionRequest,
@@ -349,27 +321,9 @@ async def _add_choices(
                 break  # choice 0 failed: iterating the choices raises its error
             choice = replace(inp, params=choice_params(inp.params, i))
             rid = choice_id(request_id, i)
-            stream = await _add(async_engine, rid, choice, False, salt, options)
+            stream = await add_request(async_engine, rid, choice, False, salt, options)
             choices.add(own_stream(request, req, rid, inp.prompt_token_ids, stream))
     except BaseException:
         choices.close()
         raise
     return choices
-
-
-def _blocks(inp: EngineInput, engine: Any, n: int = 1) -> int:
-    """The KV blocks a request may come to hold: its prompt and every token it may write,
-    for each of its ``n`` choices (the prompt blocks they share counted once)."""
-    block_size = getattr(getattr(engine, "config", None), "block_size", 16)
-    return request_blocks(len(inp.prompt_token_ids), inp.params.max_tokens, n, block_size)
-
-
-def _note_usage(request: Request, out: RequestOutput) -> None:
-    """The token counts of a finished request (or choice), for the access log: the prompt
-    once, the completion tokens of every choice."""
-    state = request.state
-    if out.outputs[0].index == 0:
-        state.prompt_tokens = len(out.prompt_token_ids)
-        state.cached_tokens = out.num_cached_tokens
-    done = getattr(state, "completion_tokens", None) or 0
-    state.completion_tokens = done + len(out.outputs[0].token_ids)
