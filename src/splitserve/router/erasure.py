@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 
 from splitserve.common.tenants import Tenants
 from splitserve.router.errors import RouterError
-from splitserve.router.front import unauthorized
+from splitserve.router.front import caller_tenant
 from splitserve.router.membership import Membership
 from splitserve.router.proxy import Proxy
 from splitserve.router.response import UpstreamError
@@ -45,10 +45,7 @@ def erasure_routes(
     router = APIRouter()
 
     def tenant_of(request: Request) -> str:
-        tenant = tenants.authenticate(request.headers.get("authorization", ""))
-        if tenant is None:
-            raise unauthorized("API key")
-        return tenant.id
+        return caller_tenant(tenants, request.headers.get("authorization", ""))
 
     @router.delete("/v1/sessions/{session_id:path}")
     async def erase_session(session_id: str, request: Request) -> JSONResponse:

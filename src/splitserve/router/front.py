@@ -48,6 +48,14 @@ def unauthorized(what: str) -> RouterError:
     )
 
 
+def caller_tenant(tenants: Tenants, authorization: str) -> str:
+    """The tenant the caller's ``Authorization`` header names, or a 401."""
+    tenant = tenants.authenticate(authorization)
+    if tenant is None:
+        raise unauthorized("API key")
+    return tenant.id
+
+
 class Endpoint:
     """The OpenAI endpoints' ASGI app (also mounted in the FastAPI app under their paths)."""
 

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from splitserve.common.tenants import DEFAULT_TENANT
 from splitserve.router import disagg
 from splitserve.router.body import forwarded
 from splitserve.router.body import parse as parse_body
@@ -137,12 +138,7 @@ class Proxy:
         rewrite = (vllm and salt_for_vllm(body, tenant, self.vouch.secret)) or bool(client_written)
         timeline.parsed = now()
         headers = self._forward_headers(client_headers)
-        forwarding = self._place(
-            client_headers,
-            body,
-            timeline,
-            request_salt(body, tenant, self.vouch.secret, self.config.worker_engine),
-        )
+        forwarding = self._place(client_headers, body, timeline, tenant)
         forwarding.tenant = tenant
         responses = keyed_by_chain(path)
         if responses:  # keyed by its response chain instead (``session.chain_key``)
@@ -209,10 +205,11 @@ class Proxy:
         client_headers: Mapping[str, str],
         body: dict[str, Any],
         timeline: Timeline,
-        salt: str = "",
+        tenant: str = DEFAULT_TENANT,
     ) -> Forwarding:
-        """What the policies may know of the request (``salt``: its KV salt), and its
-        session's home."""
+        """What the policies may know of the request, and its session's home. Its prompt's
+        token ids and KV salt are only for the kv-events index, which the router's
+        tokenizer is there for."""
         key = session_key(client_headers, body, self.config.prefix_chars)
         uncached = uncached_from_body(body, self.config.chars_per_token, self.rules.disaggregate)
         info = RequestInfo(
@@ -220,13 +217,16 @@ class Proxy:
             prefix_key=prefix_key(body, self.config.prefix_chars),
             prompt_tokens=int(uncached.elsewhere),
             prompt_token_ids=None if self.tokenizer is None else self.tokenizer.request_ids(body),
-            kv_salt=salt,
+            kv_salt="" if self.tokenizer is None else self._kv_salt(body, tenant),
         )
         home = None
         if info.session_key is not None:
             ring = self._home_ring.sync([w for w in self.membership.all() if w.serves("decode")])
             home = ring.owner(info.session_key)
         return Forwarding(info, home, uncached, timeline=timeline)
+
+    def _kv_salt(self, body: dict[str, Any], tenant: str) -> str:
+        return request_salt(body, tenant, self.vouch.secret, self.config.worker_engine)
 
     def _decide(self, forwarding: Forwarding) -> Decision | None:
         """The placement decision (``placement.place``) over the healthy members."""

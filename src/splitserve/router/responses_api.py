@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 from splitserve.common.responses_api import RESPONSES_PATH
 from splitserve.common.tenants import Tenants
 from splitserve.router.errors import RouterError
-from splitserve.router.front import unauthorized
+from splitserve.router.front import caller_tenant
 from splitserve.router.membership import Membership
 from splitserve.router.proxy import Proxy
 from splitserve.router.upstream import UpstreamError
@@ -42,10 +42,7 @@ def responses_routes(
     router = APIRouter()
 
     def tenant_of(request: Request) -> str:
-        tenant = tenants.authenticate(request.headers.get("authorization", ""))
-        if tenant is None:
-            raise unauthorized("API key")
-        return tenant.id
+        return caller_tenant(tenants, request.headers.get("authorization", ""))
 
     @router.get(RESPONSES_PATH + "/{rid}")
     async def retrieve(rid: str, request: Request) -> JSONResponse:
