@@ -16,6 +16,7 @@ from splitserve.cli_kv import (
     tier_config,
     tier_worker_args,
 )
+from splitserve.cli_ray import add_cluster_parser, add_ray_serve_args, cmd_serve_ray, ray_plan
 from splitserve.cli_vllm import add_engine_choice, run_vllm_worker_from_args, serve_vllm_args
 from splitserve.common.access_log import add_access_log_args
 from splitserve.common.access_log import max_bytes as access_log_bytes
@@ -223,12 +224,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     topology = serve_topology(args)
     tier_config(args)  # bad tier flags fail here, not in every worker
     EngineConfig.from_kwargs(**_engine_options(args))  # and bad engine options
+    api_key = args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
+    if args.ray is not None:
+        plan = ray_plan(args, topology, serve_worker_args(args), api_key, _checked_keys_file(args))
+        return cmd_serve_ray(args, plan)
     return serve(
         host=args.host,
         port=args.port,
         model=args.model,
         worker_args=serve_worker_args(args),
-        api_key=args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None,
+        api_key=api_key,
         api_keys_file=_checked_keys_file(args),
         ready_timeout=args.ready_timeout,
         topology=topology,
@@ -344,12 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     add_kv_tier_args(serve)
     add_engine_choice(serve, worker=False)
+    add_ray_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     keygen = sub.add_parser("keygen", help="write a new key for --kv-encryption-key-file")
     keygen.add_argument("path", help="where to write the key (refuses to overwrite)")
     keygen.set_defaults(func=cmd_keygen)
     add_kv_parser(sub)
+    add_cluster_parser(sub)
     add_router_parser(sub)
     add_bench_parser(sub)
     add_sim_parser(sub)

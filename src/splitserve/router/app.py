@@ -101,7 +101,9 @@ def create_app(config: RouterConfig) -> Front:
     for path in COMPLETION_PATHS:
         app.router.routes.append(Route(path, endpoint, methods=["POST"]))
     app.router.routes.append(Route(MODELS_PATH, endpoint, methods=["GET"]))
-    app.include_router(_admin_routes(membership, kv_index), dependencies=[Depends(_admin(config))])
+    app.include_router(
+        _admin_routes(membership, kv_index, metrics), dependencies=[Depends(_admin(config))]
+    )
     app.include_router(erasure_routes(lambda: state["proxy"], membership, tenants))
     app.include_router(responses_routes(lambda: state["proxy"], membership, tenants))
     api_schema.install(app, config)
@@ -161,13 +163,19 @@ def _open_routes(membership: Membership, metrics: RouterMetrics) -> APIRouter:
     return router
 
 
-def _admin_routes(membership: Membership, kv_index: KVIndex | None) -> APIRouter:
+def _admin_routes(
+    membership: Membership, kv_index: KVIndex | None, metrics: RouterMetrics
+) -> APIRouter:
     router = APIRouter()
 
     @router.get("/workers")
     async def list_workers() -> dict[str, Any]:
         membership.candidates("decode")  # refresh health flags (breaker cool-downs)
-        return {"workers": [_describe(w, kv_index) for w in membership.all()]}
+        sessions = metrics.sessions_by_worker()
+        described = [
+            _describe(w, kv_index) | {"sessions": sessions[w.url]} for w in membership.all()
+        ]
+        return {"workers": described}
 
     @router.post("/workers")
     async def add_worker(request: Request) -> JSONResponse:

@@ -7,6 +7,7 @@ of turns served there is the stickiness the prefix caches depend on.
 
 from __future__ import annotations
 
+from collections import Counter as Counter_
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -137,6 +138,10 @@ class RouterMetrics:
         self._last_worker[session] = worker
         if len(self._last_worker) > _REMEMBERED_SESSIONS:
             self._last_worker.popitem(last=False)
+
+    def sessions_by_worker(self) -> Counter_[str]:
+        """How many of the remembered sessions each worker served last."""
+        return Counter_(self._last_worker.values())
 
     def home_fraction(self) -> float:
         return self._home_turns / self._turns if self._turns else 1.0

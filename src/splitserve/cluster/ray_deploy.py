@@ -1,0 +1,324 @@
+"""A deployment on a Ray cluster: its workers and router replicas, kept alive and resized.
+
+The controller owns one ``ProcessHost`` actor per process (``cluster.ray_host``) and a loop
+that, every second:
+
+- replaces a process that exited or whose node died: on the same node when that node lives
+  (same ports, so the same URL, and the same disk-tier directory, so its sessions' KV
+  survives), else wherever the role's resources and label allow;
+- makes every router replica's membership (``POST/DELETE /workers``) match the workers that
+  are healthy now; a replica that restarted is brought up to date the same way;
+- stops drained workers: a worker being removed leaves every router first, and stops once it
+  has had no request for two checks in a row.
+
+Slot names (``decode-1``) are stable: a replacement keeps its slot's name, its role, its
+disk-tier subdirectory and its access log.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from splitserve.cluster.local import healthy
+from splitserve.cluster.ray_host import ProcessHost
+from splitserve.cluster.ray_plan import (
+    ROUTER,
+    RayPlan,
+    Slot,
+    actor_options,
+    binds_router_port,
+    slot_command,
+    slot_ports,
+)
+
+LOOP_S = 1.0
+
+
+class Controller:
+    """Runs a ``RayPlan``; Ray calls its methods from several threads (``max_concurrency``)."""
+
+    def __init__(self, plan: RayPlan) -> None:
+        self.plan = plan
+        self._lock = threading.RLock()
+        self._slots: dict[str, Slot] = {}
+        self._stop = threading.Event()
+        self._loop: threading.Thread | None = None
+        self.log: list[str] = []
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> list[str]:
+        """Start every worker, then the router replicas; the routers' URLs once all are
+        healthy. Raises RuntimeError when one does not become healthy in time."""
+        t = self.plan.topology
+        workers = [Slot(f"prefill-{i}", "prefill") for i in range(t.prefill)]
+        workers += [Slot(f"decode-{i}", "decode") for i in range(t.decode)]
+        with self._lock:
+            for slot in workers:
+                self._slots[slot.name] = slot
+                self._launch(slot)
+        self._wait_ready(workers)
+        routers = [Slot(f"{ROUTER}-{i}", ROUTER) for i in range(self.plan.routers)]
+        with self._lock:
+            for slot in routers:
+                self._slots[slot.name] = slot
+                self._launch(slot)
+        self._wait_ready(routers)
+        self._loop = threading.Thread(target=self._run, name="splitserve-ray", daemon=True)
+        self._loop.start()
+        return self.router_urls()
+
+    def stop(self) -> None:
+        """Stop the loop, then every process: routers first, so no request reaches a
+        stopping worker."""
+        self._stop.set()
+        if self._loop is not None:
+            self._loop.join(timeout=30)
+        with self._lock:
+            slots = sorted(self._slots.values(), key=lambda s: s.role != ROUTER)
+        for slot in slots:
+            self._end(slot)
+
+    def router_urls(self) -> list[str]:
+        with self._lock:
+            return [s.url for s in self._slots.values() if s.role == ROUTER and s.url]
+
+    def slots(self) -> list[dict[str, Any]]:
+        """Every process: name, role, url, node, pid, state and restarts."""
+        with self._lock:
+            return [
+                {
+                    "name": s.name,
+                    "role": s.role,
+                    "url": s.url,
+                    "node_id": s.info.get("node_id"),
+                    "node_ip": s.info.get("ip"),
+                    "pid": s.info.get("pid"),
+                    "state": s.state,
+                    "restarts": s.restarts,
+                }
+                for s in self._slots.values()
+            ]
+
+    def keys(self) -> tuple[str, str | None]:
+        """The routers' admin key and the workers' API key (None: open), for ``status``."""
+        return self.plan.admin_key, self.plan.env.get("SPLITSERVE_API_KEY")
+
+    def decisions(self) -> list[str]:
+        with self._lock:
+            return list(self.log)
+
+    # -- resizing ----------------------------------------------------------------------
+
+    def scale(self, prefill: int | None = None, decode: int | None = None) -> dict[str, int]:
+        """Set the pools' sizes: new workers join once healthy; removed ones drain first."""
+        if decode is not None and decode < 1:
+            raise ValueError("--decode must stay >= 1: the routers need a decode worker")
+        if prefill is not None and prefill < 0:
+            raise ValueError(f"--prefill must be >= 0, got {prefill}")
+        with self._lock:
+            for role, want in (("prefill", prefill), ("decode", decode)):
+                if want is not None:
+                    self._resize(role, want)
+            return self.sizes()
+
+    def sizes(self) -> dict[str, int]:
+        """Each pool's size, not counting workers that are draining."""
+        with self._lock:
+            live = [s for s in self._slots.values() if s.state in ("starting", "ready")]
+            return {r: sum(s.role == r for s in live) for r in ("prefill", "decode")}
+
+    def _resize(self, role: str, want: int) -> None:
+        live = [s for s in self._slots.values() if s.role == role and s.state != "draining"]
+        live = [s for s in live if s.state != "stopped"]
+        live.sort(key=lambda s: int(s.name.rsplit("-", 1)[1]))
+        for slot in live[want:]:  # the newest go first
+            slot.state, slot.idle_checks, slot.since = "draining", 0, time.monotonic()
+            self._note(f"draining {slot.name} ({slot.url}): scaling {role} to {want}")
+        taken = {int(s.name.rsplit("-", 1)[1]) for s in self._slots.values() if s.role == role}
+        index = 0
+        for _ in range(want - len(live)):
+            while index in taken:
+                index += 1
+            taken.add(index)
+            slot = Slot(f"{role}-{index}", role)
+            self._slots[slot.name] = slot
+            self._note(f"adding {slot.name}: scaling {role} to {want}")
+            self._launch(slot)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(LOOP_S):
+            try:
+                self.reconcile()
+            except Exception as e:  # one bad pass must not end the healing
+                print(f"splitserve ray: reconcile failed: {e!r}", file=sys.stderr, flush=True)
+
+    def reconcile(self) -> None:
+        """One pass: replace the dead, mark the healthy ready, sync routers, end drains."""
+        with self._lock:
+            slots = [s for s in self._slots.values() if s.state != "stopped"]
+        for slot in slots:
+            if self._stop.is_set():
+                return
+            if not self._place(slot):
+                continue  # still waiting for a node with room
+            if self._dead(slot):
+                self._replace(slot)
+            elif slot.state == "starting" and healthy(slot.url):
+                with self._lock:  # a scale-down may have marked it draining meanwhile
+                    if slot.state != "starting":
+                        continue
+                    slot.state = "ready"
+                self._note(f"{slot.name} ready at {slot.url} on node {slot.info['ip']}")
+        self._sync_routers()
+        for slot in slots:
+            if slot.state == "draining" and self._drained(slot):
+                self._end(slot)
+                with self._lock:
+                    self._slots.pop(slot.name, None)
+                self._note(f"{slot.name} drained and stopped")
+
+    def _dead(self, slot: Slot) -> bool:
+        import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+        try:
+            return ray.get(slot.actor.poll.remote(), timeout=10) is not None
+        except (ActorUnavailableError, GetTimeoutError):
+            return False  # unreachable for now; Ray declares the node dead or it comes back
+        except RayActorError:
+            return True
+
+    def _replace(self, slot: Slot) -> None:
+        import ray
+
+        where = slot.info.get("ip", "?")
+        self._note(f"{slot.name} ({slot.url}) on node {where} died; replacing it")
+        try:
+            ray.kill(slot.actor)
+        except Exception:
+            pass
+        slot.restarts += 1
+        draining = slot.state == "draining"
+        self._launch(slot, prefer=slot.info)
+        if draining:  # it was leaving anyway
+            slot.state = "draining"
+
+    def _launch(self, slot: Slot, prefer: dict[str, Any] | None = None) -> None:
+        """Ask Ray for ``slot``'s actor; ``prefer``: the node (and ports) it had. The process
+        starts once the actor is placed (``_place``): a pool waiting for resources holds up
+        no other slot."""
+        slot.state, slot.prefer, slot.info = "starting", prefer, {}
+        slot.actor = (
+            _actor_class().options(**actor_options(self.plan, slot.role, prefer)).remote(slot.name)
+        )
+        slot.placing = slot.actor.node.remote()
+
+    def _place(self, slot: Slot) -> bool:
+        """Start ``slot``'s process if its actor has been placed; whether it runs."""
+        import ray
+
+        if slot.placing is None:
+            return True
+        done, _ = ray.wait([slot.placing], timeout=0)
+        if not done:
+            return False
+        where, prefer = ray.get(slot.placing), slot.prefer
+        same = prefer is not None and where["node_id"] == prefer.get("node_id")
+        ports = dict(prefer["ports"]) if same else slot_ports(self.plan, slot)
+        if slot.role == ROUTER and binds_router_port(self.plan, slot):
+            ports["port"] = self.plan.router_port
+        with self._lock:  # all a router may need; its first sync drops the unhealthy
+            workers = {s.url: s.role for s in self._slots.values() if s.role != ROUTER and s.url}
+        argv, env = slot_command(self.plan, slot, workers)
+        slot.info = ray.get(slot.actor.start.remote(argv, env, ports), timeout=60)
+        slot.placing = None
+        return True
+
+    def _member_urls(self) -> dict[str, str]:
+        """URL -> role of the workers every router should have: the healthy ones."""
+        return {
+            s.url: s.role
+            for s in self._slots.values()
+            if s.role != ROUTER and s.state == "ready" and s.url
+        }
+
+    def _sync_routers(self) -> None:
+        with self._lock:
+            want = self._member_urls()
+            routers = [s for s in self._slots.values() if s.role == ROUTER and s.state == "ready"]
+        head = {"Authorization": f"Bearer {self.plan.admin_key}"}
+        for router in routers:
+            try:
+                r = httpx.get(f"{router.url}/workers", headers=head, timeout=5)
+                have = {w["url"]: w["role"] for w in r.json()["workers"]}
+                for url in have.keys() - want.keys():
+                    httpx.delete(f"{router.url}/workers/{url}", headers=head, timeout=5)
+                for url in want.keys() - have.keys():
+                    body = {"url": url, "role": want[url]}
+                    httpx.post(f"{router.url}/workers", json=body, headers=head, timeout=5)
+            except (httpx.HTTPError, ValueError, KeyError):
+                continue  # down or restarting: the next pass, or its restart, catches up
+
+    def _drained(self, slot: Slot) -> bool:
+        """Idle on two checks in a row after leaving the routers, or out of time (a stream
+        still running then migrates to another worker)."""
+        if slot.url is None or time.monotonic() - slot.since > self.plan.drain_timeout:
+            return True
+        key = self.plan.env.get("SPLITSERVE_API_KEY")
+        head = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            load = httpx.get(f"{slot.url}/load", headers=head, timeout=5).json()
+            busy = load.get("running", 0) + load.get("waiting", 0) > 0
+        except (httpx.HTTPError, ValueError):
+            busy = False  # gone: nothing left to drain
+        slot.idle_checks = 0 if busy else slot.idle_checks + 1
+        return slot.idle_checks >= 2
+
+    def _end(self, slot: Slot) -> None:
+        import ray
+
+        try:
+            if slot.placing is None:  # else nothing runs yet
+                ray.get(slot.actor.stop.remote(), timeout=30)
+        except Exception:
+            pass  # its actor is gone: so is the process (it dies with the actor)
+        try:
+            ray.kill(slot.actor)
+        except Exception:
+            pass
+        slot.state = "stopped"
+
+    def _wait_ready(self, slots: list[Slot]) -> None:
+        deadline = time.monotonic() + self.plan.ready_timeout
+        pending = list(slots)
+        while pending:
+            for slot in pending:
+                if self._place(slot) and self._dead(slot):
+                    raise RuntimeError(f"{slot.name} exited before it became healthy")
+            pending = [s for s in pending if s.url is None or not healthy(s.url)]
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(s.name for s in pending)
+                raise RuntimeError(f"{names} did not become healthy")
+            time.sleep(0.2)
+        for slot in slots:
+            slot.state = "ready"
+
+    def _note(self, line: str) -> None:
+        stamped = f"{time.strftime('%H:%M:%S')} {line}"
+        with self._lock:
+            self.log.append(stamped)
+        print(f"splitserve ray: {line}", file=sys.stderr, flush=True)
+
+
+def _actor_class():
+    import ray
+
+    return ray.remote(ProcessHost)

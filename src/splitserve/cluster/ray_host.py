@@ -1,0 +1,85 @@
+"""One splitserve process (a worker or a router replica) on a Ray node, owned by an actor.
+
+The process is the same ``splitserve worker`` / ``splitserve router`` a local deployment
+starts; the actor is what Ray schedules (by CPUs, GPUs, node label) and what ties the
+process's life to the cluster's: the process runs in its own session, so stopping ends its
+whole process group, and it gets SIGTERM when the actor's process dies (a killed actor or a
+lost node leaves nothing behind).
+
+Addresses are the node's own: ``{host}`` in the command line becomes the IP Ray knows the
+node by, and every ``{name}`` of ``ports`` a port of that address (the one asked for, or a
+free one).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from typing import Any
+
+from splitserve.cluster.local import die_with_parent, free_port
+
+
+class ProcessHost:
+    """Starts, watches and stops one process on the node this actor landed on."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.proc: subprocess.Popen | None = None
+
+    def node(self) -> dict[str, str]:
+        """Where this actor runs: ``{"node_id", "ip"}``."""
+        import ray
+
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+        }
+
+    def start(
+        self, argv: list[str], env: dict[str, str], ports: dict[str, int | None]
+    ) -> dict[str, Any]:
+        """Start ``argv`` with ``{host}`` and each ``{port name}`` filled in; returns the
+        node, the ports chosen and the pid."""
+        where = self.node()
+        chosen = {k: v or free_port(where["ip"]) for k, v in ports.items()}
+        fill = {"{host}": where["ip"], **{f"{{{k}}}": str(v) for k, v in chosen.items()}}
+        filled = []
+        for arg in argv:
+            for key, value in fill.items():
+                arg = arg.replace(key, value)
+            filled.append(arg)
+        self.proc = subprocess.Popen(
+            filled,
+            env={**os.environ, **env},
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        return {**where, "ports": chosen, "pid": self.proc.pid, "argv": filled}
+
+    def poll(self) -> int | None:
+        """The process's exit code, or None while it runs."""
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM the process group; SIGKILL it after ``timeout``; the exit code."""
+        if self.proc is None:
+            return None
+        self._signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal(signal.SIGKILL)  # the group may hold children even after the leader
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.proc.poll()
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # its pgid is its pid: start_new_session
+        except ProcessLookupError:
+            pass

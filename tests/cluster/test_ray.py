@@ -1,0 +1,303 @@
+"""``splitserve serve --ray`` on a real two-node Ray cluster (tests/ray_nodes.py): placement
+by label and spread, the OpenAI API through two router replicas, P/D across nodes, and,
+under a steady load of streamed session turns, a killed worker, a killed router replica,
+scaling up and down and a lost node, with no failed request."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+from procs import die_with_parent, metric, stop_group
+from ray_nodes import RayCluster
+
+pytest.importorskip("ray")
+
+PROMPT = "Explain, step by step, how a hash table handles collisions. " * 8
+HEAD, NODE_B = "127.0.0.2", "127.0.0.3"
+
+
+class Deployment:
+    def __init__(self, cluster: RayCluster, launcher: subprocess.Popen, routers: list[str]):
+        self.cluster, self.launcher, self.routers = cluster, launcher, routers
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "splitserve.cli", "cluster", *args]
+        return subprocess.run(
+            [*argv, "--ray", self.cluster.address], capture_output=True, text=True, timeout=120
+        )
+
+    def status(self) -> dict:
+        out = self.cli("status", "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def procs(self, role: str | None = None) -> list[dict]:
+        data = self.status()
+        every = [*data["workers"], *data["routers"]]
+        return [p for p in every if role is None or p["role"] == role]
+
+    def wait(self, check, timeout: float = 240.0) -> list[dict]:
+        """Poll ``status`` until ``check(processes)`` holds; the processes then."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            procs = self.procs()
+            if check(procs):
+                return procs
+            time.sleep(1.0)
+        raise TimeoutError(f"not reached in {timeout:.0f}s: {self.procs()}")
+
+
+def all_ready(count: int):
+    return lambda procs: len(procs) == count and all(p["state"] == "ready" for p in procs)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    cluster = RayCluster([(5, "a"), (2, "b")])
+    cluster.start()
+    disk = tmp_path_factory.mktemp("disk")
+    argv = [sys.executable, "-m", "splitserve.cli", "serve", "--ray", cluster.address]
+    argv += ["--prefill", "1", "--decode", "2", "--routers", "2", "--port", "0"]
+    argv += ["--threads-per-worker", "1", "--node-label", "prefill:pool=a"]
+    argv += ["--remote-prefill-threshold", "64", "--kv-cache-gb", "0.25"]
+    argv += ["--host-kv-gb", "0.25", "--disk-kv-dir", str(disk), "--ready-timeout", "400"]
+    launcher = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=die_with_parent
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in launcher.stdout], daemon=True).start()
+    try:
+        routers: list[str] = []
+        while len(routers) < 2:
+            line = lines.get(timeout=500)
+            if "serving the OpenAI API at" in line:
+                routers.append(line.split(" at ")[1].split("/v1")[0])
+        yield Deployment(cluster, launcher, routers)
+        pids = [p["pid"] for p in Deployment(cluster, launcher, routers).procs()]
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=120) == 0
+        gone, alive = psutil.wait_procs([_proc(p) for p in pids if _proc(p)], timeout=30)
+        assert not alive, f"left behind: {alive}"
+    finally:
+        stop_group(launcher)
+        cluster.stop()
+
+
+def _proc(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+class Load:
+    """Clients streaming two-turn sessions through the routers until stopped."""
+
+    def __init__(self, routers: list[str], clients: int = 2, max_tokens: int = 12) -> None:
+        self.routers, self.max_tokens = routers, max_tokens
+        self.done, self.failures = 0, []
+        self.workers: set[str] = set()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=300)
+
+    def _run(self, client: int) -> None:
+        n = 0
+        with httpx.Client(timeout=180) as http:
+            while not self._stop.is_set():
+                n += 1
+                messages = [{"role": "user", "content": f"Session {client}-{n}. {PROMPT}"}]
+                for turn in range(2):
+                    router = self.routers[(client + n + turn) % len(self.routers)]
+                    text = self._turn(http, router, f"load-{client}-{n}", messages)
+                    if text is None:
+                        break
+                    messages += [{"role": "assistant", "content": text}]
+                    messages += [{"role": "user", "content": "And then?"}]
+
+    def _turn(self, http: httpx.Client, router: str, session: str, messages) -> str | None:
+        body = {"messages": messages, "max_tokens": self.max_tokens, "temperature": 0}
+        body["stream"] = True
+        text, ended = "", False
+        try:
+            with http.stream(
+                "POST", f"{router}/v1/chat/completions", json=body,
+                headers={"x-session-id": session},
+            ) as r:  # fmt: skip
+                if r.status_code != 200:
+                    self.failures.append(f"{router}: {r.status_code} {r.read()!r}")
+                    return None
+                self.workers.add(r.headers.get("x-splitserve-decode-worker", ""))
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        ended = True
+                    elif line.startswith("data: "):
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            self.failures.append(f"{router}: {chunk['error']}")
+                            return None
+                        text += chunk["choices"][0]["delta"].get("content") or ""
+        except httpx.HTTPError as e:
+            self.failures.append(f"{router}: {e!r}")
+            return None
+        if not ended:
+            self.failures.append(f"{router}: the stream ended without [DONE]")
+            return None
+        self.done += 1
+        return text
+
+    def wait_done(self, more: int, timeout: float = 240.0) -> None:
+        target, deadline = self.done + more, time.monotonic() + timeout
+        while self.done < target and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert self.done >= target, f"only {self.done} of {target} turns in {timeout:.0f}s"
+
+
+def test_placement_by_label_and_spread(deployment):
+    data = deployment.status()
+    nodes = {n["ip"]: n for n in data["nodes"]}
+    assert set(nodes) == {HEAD, NODE_B} and all(n["alive"] for n in nodes.values())
+    assert nodes[HEAD]["labels"] == {"pool": "a"} and nodes[NODE_B]["labels"] == {"pool": "b"}
+    roles = {w["name"]: w for w in data["workers"]}
+    assert set(roles) == {"prefill-0", "decode-0", "decode-1"}
+    assert roles["prefill-0"]["node_ip"] == HEAD  # --node-label prefill:pool=a
+    assert NODE_B in {w["node_ip"] for w in data["workers"]}  # the pools spread
+    for p in [*data["workers"], *data["routers"]]:  # each binds its node's own address
+        assert p["url"].startswith(f"http://{p['node_ip']}:") and p["state"] == "ready"
+    assert {r["node_ip"] for r in data["routers"]} == {HEAD}  # routers on the head
+    assert sorted(r["url"] for r in data["routers"]) == sorted(deployment.routers)
+
+
+def test_openai_client_through_each_router_matches_offline(deployment):
+    from openai import OpenAI
+
+    from splitserve import LLM, SamplingParams
+
+    messages = [{"role": "user", "content": "Name three primary colours."}]
+    expected = LLM().chat(messages, SamplingParams(max_tokens=10, temperature=0))[0].outputs[0]
+    for router in deployment.routers:
+        client = OpenAI(base_url=f"{router}/v1", api_key="unused")
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=messages, max_tokens=10, temperature=0
+        )
+        assert reply.choices[0].message.content == expected.text
+
+
+def test_prefill_and_decode_on_different_nodes(deployment):
+    """A long prompt is computed by the prefill worker on the head and its KV pulled over
+    tcp by a decode worker on the other node, at that node's address."""
+    router = deployment.routers[0]
+    decode_b = [w["url"] for w in deployment.procs("decode") if w["node_ip"] == NODE_B]
+    assert decode_b, "no decode worker on node b"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    session = next(  # a session the ring places on node b
+        s
+        for s in (f"pd-{i}" for i in range(200))
+        if httpx.post(
+            f"{router}/v1/chat/completions", json=body, headers={"x-session-id": s}, timeout=60
+        ).headers["x-splitserve-decode-worker"]
+        in decode_b
+    )
+    received = metric(decode_b[0], "splitserve:kv_blocks_received_total")
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "temperature": 0}
+    r = httpx.post(
+        f"{router}/v1/chat/completions", json=body, headers={"x-session-id": session}, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    assert r.headers["x-splitserve-prefill-worker"].startswith(f"http://{HEAD}:")
+    assert r.headers["x-splitserve-decode-worker"] == decode_b[0]
+    assert metric(decode_b[0], "splitserve:kv_blocks_received_total") > received
+
+
+def test_killed_worker_is_replaced_where_it_was_and_no_request_fails(deployment):
+    victim = next(w for w in deployment.procs("decode") if w["name"] == "decode-0")
+    with Load(deployment.routers) as load:
+        load.wait_done(2)
+        os.kill(victim["pid"], signal.SIGKILL)
+        procs = deployment.wait(all_ready(5))
+        load.wait_done(4)  # and the load goes on through the replacement
+    back = next(p for p in procs if p["name"] == "decode-0")
+    assert back["pid"] != victim["pid"] and back["restarts"] == victim["restarts"] + 1
+    assert (back["url"], back["node_ip"]) == (victim["url"], victim["node_ip"])  # same node
+    assert load.failures == []
+
+
+def test_killed_router_replica_is_replaced_and_the_other_serves_on(deployment):
+    victim = next(r for r in deployment.procs("router") if r["url"] == deployment.routers[0])
+    with Load(deployment.routers[1:]) as load:
+        load.wait_done(1)
+        os.kill(victim["pid"], signal.SIGKILL)
+        procs = deployment.wait(all_ready(5))
+        load.wait_done(2)
+    back = next(p for p in procs if p["name"] == victim["name"])
+    assert back["url"] == victim["url"] and back["pid"] != victim["pid"]
+    assert load.failures == []
+    r = httpx.get(f"{victim['url']}/health", timeout=10)  # back, with the workers it had
+    assert r.status_code == 200 and r.json()["workers"] == 3
+
+
+def test_scale_up_then_down_under_load(deployment):
+    with Load(deployment.routers, clients=3) as load:
+        load.wait_done(1)
+        out = deployment.cli("scale", "--decode", "3")
+        assert out.returncode == 0 and "decode 3" in out.stdout, out.stderr
+        procs = deployment.wait(all_ready(6))
+        new = next(p for p in procs if p["name"] == "decode-2")
+        deadline = time.monotonic() + 240
+        while new["url"] not in load.workers and time.monotonic() < deadline:
+            time.sleep(0.5)  # sessions the ring now gives the new worker reach it
+        assert new["url"] in load.workers
+        out = deployment.cli("scale", "--decode", "2")
+        assert out.returncode == 0, out.stderr
+        deployment.wait(all_ready(5))
+        load.wait_done(2)
+    assert load.failures == []
+    assert _proc(new["pid"]) is None  # drained, then stopped
+
+
+def test_lost_node_is_replaced_elsewhere_and_no_request_fails(deployment):
+    on_b = [w for w in deployment.procs() if w["node_ip"] == NODE_B]
+    assert on_b
+    with Load(deployment.routers) as load:
+        load.wait_done(2)
+        deployment.cluster.nodes[1].kill()
+        procs = deployment.wait(
+            lambda ps: all_ready(5)(ps) and all(p["node_ip"] == HEAD for p in ps), timeout=300
+        )
+        load.wait_done(4)
+    assert load.failures == []
+    moved = {p["name"]: p for p in procs}
+    for w in on_b:  # on the head now, at the head's address, in every router's ring
+        assert moved[w["name"]]["url"].startswith(f"http://{HEAD}:")
+    for router in deployment.routers:
+        assert httpx.get(f"{router}/health", timeout=10).json()["workers"] == 3
+
+
+def test_cluster_commands_refuse_bad_input(deployment):
+    out = deployment.cli("scale", "--decode", "0")
+    assert out.returncode == 2 and "--decode must stay >= 1" in out.stderr
+    out = deployment.cli("scale")
+    assert out.returncode == 2 and "give --prefill N and/or --decode M" in out.stderr
+    out = deployment.cli("status", "--ray-name", "nope")
+    assert out.returncode == 2 and "no splitserve deployment named 'nope'" in out.stderr
+    text = deployment.cli("status")
+    assert text.returncode == 0 and "decode-0" in text.stdout and "sessions" in text.stdout
