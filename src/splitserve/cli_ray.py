@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -44,6 +46,46 @@ def add_ray_serve_args(p: argparse.ArgumentParser) -> None:
         help="run ROLE (prefill, decode, router) only on nodes with this Ray label "
         "(`ray start --labels KEY=VALUE`); repeatable",
     )
+
+    a = p.add_argument_group("autoscale (--ray)")
+    a.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="pick the prefill:decode split from the workers' metrics and the simulator",
+    )
+    a.add_argument("--autoscale-slo", default="ttft:1000,tpot:250", metavar="SLO")
+    a.add_argument("--autoscale-interval", type=float, default=30.0, metavar="SECONDS")
+    a.add_argument("--autoscale-hardware", default="cpu-local", metavar="PROFILE")
+    a.add_argument(
+        "--autoscale-calibration", default=None, metavar="FILE", help="a `sim calibrate` file"
+    )
+    a.add_argument(
+        "--autoscale-host-cores",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the simulated workers share N cores (workers on one machine); default: each "
+        "has its own",
+    )
+
+
+def _autoscale_args(args: argparse.Namespace, topology: Topology) -> dict | None:
+    """The planner's arguments, or None without ``--autoscale``."""
+    if not args.autoscale:
+        return None
+    from splitserve.workload.metrics import SLO
+
+    if topology.prefill + topology.decode < 2:
+        raise ValueError("--autoscale splits the workers between the pools: it needs >= 2")
+    if not args.autoscale_interval > 0:
+        raise ValueError(f"--autoscale-interval must be > 0, got {args.autoscale_interval}")
+    return {
+        "slo": SLO.parse(args.autoscale_slo),
+        "hardware": args.autoscale_hardware,
+        "calibration": args.autoscale_calibration,
+        "host_cores": args.autoscale_host_cores,
+        "remote_prefill_threshold": args.remote_prefill_threshold,
+    }
 
 
 def _add_name_arg(p) -> None:
@@ -105,6 +147,8 @@ def ray_plan(
         gpus_per_worker=args.gpus_per_worker,
         labels=node_labels(args.node_label),
         ready_timeout=args.ready_timeout,
+        autoscale=_autoscale_args(args, topology),
+        autoscale_interval=args.autoscale_interval,
     )
 
 
@@ -134,9 +178,10 @@ def add_cluster_parser(sub) -> None:
 def cmd_cluster_status(args: argparse.Namespace) -> int:
     from splitserve.cluster.ray_serve import connect, controller, status, status_table
 
-    connect(args.ray, join_only=True)
-    data = status(controller(args.ray_name))
-    print(json.dumps(data, indent=2) if args.json else status_table(data))
+    with contextlib.redirect_stdout(sys.stderr):  # what Ray prints is not the answer
+        connect(args.ray, join_only=True)
+        data = status(controller(args.ray_name))
+    print(json.dumps(data, indent=2) if args.json else status_table(data), flush=True)
     return 0
 
 

@@ -27,19 +27,20 @@ HEAD, NODE_B = "127.0.0.2", "127.0.0.3"
 
 
 class Deployment:
-    def __init__(self, cluster: RayCluster, launcher: subprocess.Popen, routers: list[str]):
-        self.cluster, self.launcher, self.routers = cluster, launcher, routers
+    def __init__(self, cluster, launcher, routers: list[str], name: str = "splitserve"):
+        self.cluster, self.launcher, self.routers, self.name = cluster, launcher, routers, name
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         argv = [sys.executable, "-m", "splitserve.cli", "cluster", *args]
-        return subprocess.run(
-            [*argv, "--ray", self.cluster.address], capture_output=True, text=True, timeout=120
-        )
+        argv += ["--ray", self.cluster.address]
+        if "--ray-name" not in args:
+            argv += ["--ray-name", self.name]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
     def status(self) -> dict:
         out = self.cli("status", "--json")
         assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout)
+        return json.JSONDecoder().raw_decode(out.stdout)[0]  # the answer comes first
 
     def procs(self, role: str | None = None) -> list[dict]:
         data = self.status()
@@ -62,35 +63,50 @@ def all_ready(count: int):
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    cluster = RayCluster([(5, "a"), (2, "b")])
-    cluster.start()
-    disk = tmp_path_factory.mktemp("disk")
+def cluster():
+    cluster = RayCluster([(6, "a"), (2, "b")])
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def serve(cluster: RayCluster, args: list[str], routers: int = 1):
+    """``serve --ray`` with ``args`` until the caller is done; stopping it must leave no
+    process of it behind."""
     argv = [sys.executable, "-m", "splitserve.cli", "serve", "--ray", cluster.address]
-    argv += ["--prefill", "1", "--decode", "2", "--routers", "2", "--port", "0"]
-    argv += ["--threads-per-worker", "1", "--node-label", "prefill:pool=a"]
-    argv += ["--remote-prefill-threshold", "64", "--kv-cache-gb", "0.25"]
-    argv += ["--host-kv-gb", "0.25", "--disk-kv-dir", str(disk), "--ready-timeout", "400"]
+    argv += ["--port", "0", "--threads-per-worker", "1", "--kv-cache-gb", "0.25"]
+    argv += ["--remote-prefill-threshold", "64", "--ready-timeout", "400", *args]
     launcher = subprocess.Popen(
         argv, stdout=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=die_with_parent
     )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in launcher.stdout], daemon=True).start()
     try:
-        routers: list[str] = []
-        while len(routers) < 2:
+        urls: list[str] = []
+        while len(urls) < routers:
             line = lines.get(timeout=500)
             if "serving the OpenAI API at" in line:
-                routers.append(line.split(" at ")[1].split("/v1")[0])
-        yield Deployment(cluster, launcher, routers)
-        pids = [p["pid"] for p in Deployment(cluster, launcher, routers).procs()]
+                urls.append(line.split(" at ")[1].split("/v1")[0])
+        name = args[args.index("--ray-name") + 1] if "--ray-name" in args else "splitserve"
+        deployment = Deployment(cluster, launcher, urls, name)
+        yield deployment
+        pids = [p["pid"] for p in deployment.procs()]
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=120) == 0
         gone, alive = psutil.wait_procs([_proc(p) for p in pids if _proc(p)], timeout=30)
         assert not alive, f"left behind: {alive}"
     finally:
         stop_group(launcher)
-        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def deployment(cluster, tmp_path_factory):
+    disk = tmp_path_factory.mktemp("disk")
+    args = ["--prefill", "1", "--decode", "2", "--routers", "2", "--node-label", "prefill:pool=a"]
+    args += ["--host-kv-gb", "0.25", "--disk-kv-dir", str(disk)]
+    yield from serve(cluster, args, routers=2)
 
 
 def _proc(pid: int) -> psutil.Process | None:
@@ -103,8 +119,10 @@ def _proc(pid: int) -> psutil.Process | None:
 class Load:
     """Clients streaming two-turn sessions through the routers until stopped."""
 
-    def __init__(self, routers: list[str], clients: int = 2, max_tokens: int = 12) -> None:
-        self.routers, self.max_tokens = routers, max_tokens
+    def __init__(
+        self, routers: list[str], clients: int = 2, max_tokens: int = 12, prompt: str = PROMPT
+    ) -> None:
+        self.routers, self.max_tokens, self.prompt = routers, max_tokens, prompt
         self.done, self.failures = 0, []
         self.workers: set[str] = set()
         self._stop = threading.Event()
@@ -125,7 +143,8 @@ class Load:
         with httpx.Client(timeout=180) as http:
             while not self._stop.is_set():
                 n += 1
-                messages = [{"role": "user", "content": f"Session {client}-{n}. {PROMPT}"}]
+                content = f"Session {client}-{n}-{time.monotonic()}. {self.prompt}"
+                messages = [{"role": "user", "content": content}]
                 for turn in range(2):
                     router = self.routers[(client + n + turn) % len(self.routers)]
                     text = self._turn(http, router, f"load-{client}-{n}", messages)
@@ -301,3 +320,53 @@ def test_cluster_commands_refuse_bad_input(deployment):
     assert out.returncode == 2 and "no splitserve deployment named 'nope'" in out.stderr
     text = deployment.cli("status")
     assert text.returncode == 0 and "decode-0" in text.stdout and "sessions" in text.stdout
+
+
+def test_autoscale_moves_the_split_as_the_simulator_predicts_when_prompts_grow(cluster):
+    """Short prompts, then long ones, under load: each decision is the simulator's best split
+    for the mix the workers served (recomputed here), and the deployment ends on the best
+    split for the long prompts, with no failed request."""
+    from splitserve.cluster.autoscale import Mix, Planner
+    from splitserve.workload.metrics import SLO
+
+    slo = "ttft:3000,tpot:250"
+    args = ["--ray-name", "auto", "--prefill", "1", "--decode", "1", "--autoscale"]
+    args += ["--autoscale-interval", "15", "--autoscale-slo", slo, "--autoscale-host-cores", "2"]
+    planner = Planner(SLO.parse(slo), host_cores=2, remote_prefill_threshold=64)
+    for d in serve(cluster, args):
+        with Load(d.routers, clients=1, max_tokens=16, prompt="Say hi.") as load:
+            _decisions(d, 2)
+        with Load(d.routers, clients=2, max_tokens=8, prompt=PROMPT * 5) as long_load:
+            decisions = _decisions(d, 4, until=lambda ds: any(x["action"] == "scale" for x in ds))
+            last = decisions[-1]
+            assert last["action"] == "keep" or last["action"] == "scale"
+            procs = d.wait(lambda ps: all(p["state"] == "ready" for p in ps), timeout=240)
+        assert load.failures == [] and long_load.failures == []
+        for x in decisions:
+            if x["action"] == "keep" and not x["scores"]:
+                continue  # too few requests to judge
+            mix = Mix(**{k: x["mix"][k] for k in Mix.__slots__})
+            scores = planner.scores(mix, 2)
+            assert {f"{p}:{q}": list(v) for (p, q), v in scores.items()} == {
+                k: list(v) for k, v in x["scores"].items()
+            }
+            if x["action"] in ("wait", "scale"):
+                assert tuple(x["best"]) == max(scores, key=lambda s: scores[s])
+        scaled = [x for x in decisions if x["action"] == "scale"]
+        assert scaled, decisions
+        split = (
+            sum(p["role"] == "prefill" for p in procs),
+            sum(p["role"] == "decode" for p in procs),
+        )
+        assert split == tuple(scaled[-1]["best"])
+
+
+def _decisions(d: Deployment, count: int, until=None, timeout: float = 300.0) -> list[dict]:
+    """The autoscaler's decisions once there are ``count`` of them (and ``until`` holds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        decisions = d.status()["decisions"]
+        if len(decisions) >= count and (until is None or until(decisions)):
+            return decisions
+        time.sleep(2.0)
+    raise TimeoutError(f"decisions so far: {d.status()['decisions']}")

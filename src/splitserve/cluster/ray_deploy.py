@@ -49,6 +49,14 @@ class Controller:
         self._stop = threading.Event()
         self._loop: threading.Thread | None = None
         self.log: list[str] = []
+        self._autoscaler = None
+        if plan.autoscale is not None:
+            from splitserve.cluster.autoscale import Autoscaler, Planner
+
+            key = plan.env.get("SPLITSERVE_API_KEY")
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            planner = Planner(**plan.autoscale)
+            self._autoscaler = Autoscaler(planner, plan.autoscale_interval, headers)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -109,7 +117,14 @@ class Controller:
         """The routers' admin key and the workers' API key (None: open), for ``status``."""
         return self.plan.admin_key, self.plan.env.get("SPLITSERVE_API_KEY")
 
-    def decisions(self) -> list[str]:
+    def decisions(self) -> list[dict[str, Any]]:
+        """The autoscaler's decisions, oldest first (none without ``--autoscale``)."""
+        if self._autoscaler is None:
+            return []
+        return [d.as_dict() for d in self._autoscaler.decisions]
+
+    def events(self) -> list[str]:
+        """Every replacement, resize and decision, with its reason, oldest first."""
         with self._lock:
             return list(self.log)
 
@@ -157,8 +172,23 @@ class Controller:
         while not self._stop.wait(LOOP_S):
             try:
                 self.reconcile()
+                if self._autoscaler is not None:
+                    self._autoscale()
             except Exception as e:  # one bad pass must not end the healing
                 print(f"splitserve ray: reconcile failed: {e!r}", file=sys.stderr, flush=True)
+
+    def _autoscale(self) -> None:
+        with self._lock:
+            workers = self._member_urls()
+            settled = all(s.state == "ready" for s in self._slots.values())
+            sizes = self.sizes()
+        split = (sizes["prefill"], sizes["decode"])
+        decision = self._autoscaler.step(workers, split, settled)
+        if decision is None:
+            return
+        self._note(f"autoscale {decision.action}: {decision.reason}")
+        if decision.action == "scale":
+            self.scale(*decision.best)
 
     def reconcile(self) -> None:
         """One pass: replace the dead, mark the healthy ready, sync routers, end drains."""

@@ -29,6 +29,8 @@ class RayPlan:
     labels: dict[str, dict[str, str]] = field(default_factory=dict)
     ready_timeout: float = 600.0
     drain_timeout: float = 120.0
+    autoscale: dict[str, Any] | None = None  # cluster.autoscale.Planner's arguments
+    autoscale_interval: float = 30.0
 
     def __post_init__(self) -> None:
         if self.routers < 1:

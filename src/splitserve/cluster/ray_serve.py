@@ -143,7 +143,8 @@ def status(ctrl) -> dict[str, list[dict[str, Any]]]:
             kv_usage=load.get("kv_usage"),
             sessions=sessions.get(w["url"], 0),
         )
-    return {"nodes": nodes, "workers": workers, "routers": routers}
+    decisions = ray.get(ctrl.decisions.remote(), timeout=30)
+    return {"nodes": nodes, "workers": workers, "routers": routers, "decisions": decisions}
 
 
 def _get(base: str | None, path: str, key: str | None) -> dict[str, Any]:
