@@ -86,7 +86,10 @@ class Resumer:
                     for out in relay.finish_locally():
                         yield out
                     return
-                payload = json.dumps(relay.resume_body(remaining)).encode()
+                try:
+                    payload = json.dumps(relay.resume_body(remaining)).encode()
+                except RecursionError:  # the client's fields nest too deep to send again
+                    break
                 async with self._leg(worker, relay.resume_path, payload, forwarding) as upstream:
                     # SSE comments are ignored by clients; this one helps debugging and tests.
                     yield f": splitserve migrated to {worker.url}\n\n".encode()
