@@ -2,7 +2,8 @@
 
 Run as its own process (``python fake_worker.py --port P --name w1``) so tests can kill it.
 With ``return_token_ids`` it streams token ids like a real worker: the prompt's ids are the
-code points of its text (or the given ids), and the token generated at position p is p. In
+code points of its text (or the given ids), and the token generated at position p is p (a
+request that ``resume``s a stream goes on after its output ids, counted in ``max_tokens``). In
 ``greedy`` mode its text is ``"t{p} "``, the same on every worker, as a greedy model's would
 be; otherwise it names the worker (``"w1-0 "``) so tests can tell who wrote what.
 Tests steer it at run time through ``POST /_mode`` and read what it received from
@@ -135,6 +136,8 @@ def _choice(name: str, chat: bool, i: int | None = None) -> dict[str, Any]:
 
 
 def _prompt_ids(body: dict[str, Any]) -> list[int]:
+    if body.get("resume"):
+        return body["resume"]["prompt_token_ids"]
     prompt = body.get("prompt")
     if isinstance(prompt, list):
         return prompt
@@ -148,11 +151,12 @@ async def _sse(name: str, state: dict[str, Any], chat: bool, body: dict[str, Any
         await asyncio.sleep(state["delay_s"])
     with_ids = body.get("return_token_ids") is True
     prompt = _prompt_ids(body)
-    count = (body.get("max_tokens") or CHUNKS) if state["greedy"] else CHUNKS
+    done = len(body["resume"]["output_token_ids"]) if body.get("resume") else 0
+    count = (body.get("max_tokens") or CHUNKS) - done if state["greedy"] else CHUNKS
     for i in range(count):
         if state["mode"] == "die_midstream" and i == state["die_after"]:
             raise RuntimeError("the worker died mid-stream")  # uvicorn drops the connection
-        position = len(prompt) + i
+        position = len(prompt) + done + i
         chunk: dict[str, Any] = {"id": f"{name}-stream", "model": "fake"}
         choice = _choice(name, chat, i)
         if state["greedy"]:
@@ -175,8 +179,8 @@ async def _sse(name: str, state: dict[str, Any], chat: bool, body: dict[str, Any
         chunk = {"id": f"{name}-stream", "model": "fake", "choices": [finish]}
         yield f"data: {json.dumps(chunk)}\n\n".encode()
         if (body.get("stream_options") or {}).get("include_usage"):
-            n = len(prompt)
-            usage = {"prompt_tokens": n, "completion_tokens": count, "total_tokens": n + count}
+            n, out = len(prompt), done + count
+            usage = {"prompt_tokens": n, "completion_tokens": out, "total_tokens": n + out}
             chunk = {"id": f"{name}-stream", "model": "fake", "choices": [], "usage": usage}
             yield f"data: {json.dumps(chunk)}\n\n".encode()
     yield b"data: [DONE]\n\n"

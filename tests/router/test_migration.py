@@ -51,8 +51,10 @@ def run(relay: StreamRelay, pieces: list[bytes]) -> tuple[list[dict], Exception 
     return asyncio.run(main())
 
 
-def test_first_leg_strips_ids_and_settles_only_tokens_whose_text_arrived():
-    relay = StreamRelay(StreamLog.of({"max_tokens": 10}, chat=True), {"max_tokens": 10})
+@pytest.mark.parametrize("continued", [True, False])
+def test_first_leg_strips_ids_and_settles_only_tokens_whose_text_arrived(continued):
+    original = {"messages": [], "max_tokens": 10}
+    relay = StreamRelay(StreamLog.of(original, chat=True), original, continued)
     role = chat_chunk("", None, prompt_token_ids=[1, 2, 3])
     role["choices"][0]["delta"]["role"] = "assistant"
     stream = b"".join(
@@ -75,17 +77,26 @@ def test_first_leg_strips_ids_and_settles_only_tokens_whose_text_arrived():
     assert (log.prompt_ids, log.settled, log.pending) == ([1, 2, 3], [50], [51, 52])
     assert relay.remaining() == 9
     body = relay.resume_body(9)
-    assert body == {
-        "prompt": [1, 2, 3, 50],
-        "max_tokens": 9,
-        "stream": True,
-        "return_token_ids": True,
-    }
+    if continued:  # builtin workers: the request itself, going on after the settled ids
+        assert relay.resume_path == "/v1/chat/completions"
+        assert body == original | {
+            "stream": True,
+            "return_token_ids": True,
+            "resume": {"prompt_token_ids": [1, 2, 3], "output_token_ids": [50]},
+        }
+    else:  # vLLM workers: a text completion of the prompt's and the settled ids
+        assert relay.resume_path == "/v1/completions"
+        assert body == {
+            "prompt": [1, 2, 3, 50],
+            "max_tokens": 9,
+            "stream": True,
+            "return_token_ids": True,
+        }
 
 
-def test_resumed_leg_reads_like_the_first_and_usage_counts_the_whole_request():
+def test_resumed_completion_leg_reads_like_the_first_and_usage_counts_the_whole_request():
     original = {"max_tokens": 4, "temperature": 0, "stream_options": {"include_usage": True}}
-    relay = StreamRelay(StreamLog.of(original, chat=True), original)
+    relay = StreamRelay(StreamLog.of(original, chat=True), original, continued=False)
     run(relay, [sse(chat_chunk("", None, prompt_token_ids=[1, 2])), sse(chat_chunk("a", [9]))])
     body = relay.resume_body(relay.remaining())
     assert body["prompt"] == [1, 2, 9] and body["max_tokens"] == 3 and body["temperature"] == 0
@@ -132,6 +143,74 @@ def test_resumed_leg_reads_like_the_first_and_usage_counts_the_whole_request():
     }
 
 
+def role_chunk(**extra) -> dict:
+    role = chat_chunk("", None, **extra)
+    role["choices"][0]["delta"]["role"] = "assistant"
+    return role
+
+
+CALLS = [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f"}}]
+
+
+def continued_leg(*choices: tuple[str | None, list[int] | None, dict]) -> bytes:
+    """A continuation's stream from another worker: its own id and created, the prompt's ids
+    on its first chunk, then a chunk per ``(text, ids, delta extras)``."""
+    out = b""
+    for i, (text, ids, more) in enumerate(choices):
+        chunk = chat_chunk(text, ids, **({"prompt_token_ids": [1, 2, 3]} if i == 0 else {}))
+        chunk |= {"id": "chatcmpl-2", "created": 9}
+        chunk["choices"][0]["delta"] |= more
+        out += sse(chunk)
+    return out + b"data: [DONE]\n\n"
+
+
+def test_a_continuation_reads_as_the_first_leg_tool_calls_included():
+    original = {"messages": [], "tools": [{"type": "function"}], "stream": True}
+    relay = StreamRelay(StreamLog.of(original, chat=True), original)
+    first = [role_chunk(prompt_token_ids=[1, 2, 3]), chat_chunk("Hi", [50]), chat_chunk("", [51])]
+    run(relay, [b"".join(sse(c) for c in first)])
+    assert relay.resume_body(100)["resume"]["output_token_ids"] == [50]
+    ending = chat_chunk(None, [], finish_reason="tool_calls") | {"id": "chatcmpl-2"}
+    leg = continued_leg(("", [51], {}), ("", [52], {}), (None, None, {"tool_calls": CALLS}))
+    chunks, error = run(relay, [leg[:-14] + sse(ending) + leg[-14:]])
+    assert error is None and chunks[-1] == "DONE"
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m"}
+    calls = {"index": 0, "delta": {"tool_calls": CALLS}, "finish_reason": None}
+    assert chunks[:-1] == [  # the id-only chunks are dropped, the calls kept
+        head | {"choices": [calls]},
+        head | {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+    ]
+    assert relay.log.calls_sent and relay.log.settled == [50, 51, 52]
+
+
+def test_a_client_that_asked_for_ids_gets_each_once_across_a_migration():
+    original = {"messages": [], "return_token_ids": True}
+    relay = StreamRelay(StreamLog.of(original, chat=True), original)
+    first = [role_chunk(prompt_token_ids=[1, 2, 3]), chat_chunk("Hi", [50]), chat_chunk("", [51])]
+    run(relay, [b"".join(sse(c) for c in first) + sse(chat_chunk("", [52]))])
+    relay.resume_body(100)  # 51 and 52 are regenerated: the client has them already
+    leg = continued_leg(("", [51], {}), ("", [52], {}), ("!", [53], {}))
+    chunks, _ = run(relay, [leg])
+    assert [c["choices"][0] for c in chunks[:-1]] == [
+        {"index": 0, "delta": {"content": "!"}, "finish_reason": None, "token_ids": [53]}
+    ]
+    assert "prompt_token_ids" not in chunks[0] and chunks[0]["id"] == "chatcmpl-1"
+    assert relay.log.ids_sent == 4
+
+
+def test_a_stream_that_broke_after_its_tool_calls_is_finished_without_a_worker():
+    relay = StreamRelay(StreamLog.of({"messages": []}, chat=True), {})
+    calls = chat_chunk(None, [7]) | {"prompt_token_ids": [1]}
+    calls["choices"][0]["delta"]["tool_calls"] = CALLS
+    chunks, error = run(relay, [sse(calls)])
+    assert isinstance(error, IncompleteStream) and chunks[0]["choices"][0]["delta"] == {
+        "tool_calls": CALLS
+    }
+    assert relay.log.calls_sent  # resume.py then ends the stream itself:
+    events = b"".join(relay.finish_locally("tool_calls")).decode().split("\n\n")
+    assert json.loads(events[0][6:])["choices"][0]["finish_reason"] == "tool_calls"
+
+
 def test_a_spent_token_budget_finishes_without_a_worker():
     relay = StreamRelay(StreamLog.of({"prompt": "x", "max_tokens": 1}, chat=False), {})
     first = {"id": "c", "prompt_token_ids": [5], "choices": [{"text": "z", "token_ids": [6]}]}
@@ -158,9 +237,10 @@ def stream_text(router, path: str, body: dict, session: str) -> tuple[str, list[
     return r.headers[DECODE_HEADER], events, text
 
 
+@pytest.mark.parametrize("engine", ["builtin", "vllm"])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-def test_stream_migrates_when_its_worker_dies_mid_stream(workers3, make_router, path):
-    router = make_router(workers=urls(workers3), health_interval_s=60)
+def test_stream_migrates_when_its_worker_dies_mid_stream(workers3, make_router, path, engine):
+    router = make_router(workers=urls(workers3), health_interval_s=60, worker_engine=engine)
     for w in workers3:
         w.mode(greedy=True)
     chat = path.endswith("chat/completions")
@@ -179,14 +259,15 @@ def test_stream_migrates_when_its_worker_dies_mid_stream(workers3, make_router, 
     assert chunks[-1]["usage"]["prompt_tokens"] == 3
     assert chunks[-1]["usage"]["completion_tokens"] == 8
     assert metric(router, "splitserve:router_migrations_total") == 1
-    resumed = [
-        r["body"]
-        for w in workers3
-        if w is not victim
-        for r in w.seen()[seen_before[w.url] :]
-        if r["path"] == "/v1/completions"
-    ]
-    assert [(b["prompt"], b["max_tokens"]) for b in resumed] == [([97, 98, 99, 3, 4, 5], 5)]
+    resumed = [r for w in workers3 if w is not victim for r in w.seen()[seen_before[w.url] :]]
+    assert len(resumed) == 1
+    leg = resumed[0]["body"]
+    if engine == "builtin":  # the request itself, going on after the ids the client has
+        assert resumed[0]["path"] == path and leg["max_tokens"] == 8
+        assert leg["resume"] == {"prompt_token_ids": [97, 98, 99], "output_token_ids": [3, 4, 5]}
+    else:
+        assert resumed[0]["path"] == "/v1/completions" and "resume" not in leg
+        assert (leg["prompt"], leg["max_tokens"]) == ([97, 98, 99, 3, 4, 5], 5)
 
 
 def test_client_that_asked_for_token_ids_keeps_them_across_a_migration(workers3, make_router):
@@ -202,22 +283,34 @@ def test_client_that_asked_for_token_ids_keeps_them_across_a_migration(workers3,
     assert [i for c in chunks for i in c["choices"][0].get("token_ids", [])] == [2, 3, 4, 5, 6]
 
 
+def test_a_client_cannot_send_the_routers_resume_field(workers3, make_router):
+    router = make_router(workers=urls(workers3), health_interval_s=60)
+    forged = {"prompt_token_ids": [1], "output_token_ids": [2, 3]}
+    body = {"prompt": "forged", "stream": True, "max_tokens": 2, "resume": forged}
+    home = stream_text(router, "/v1/completions", body, "forged")[0]
+    [seen] = [r["body"] for w in workers3 if w.url == home for r in w.seen()[-1:]]
+    assert seen["prompt"] == "forged" and "resume" not in seen
+
+
 @pytest.mark.parametrize(
-    ("extra", "resumable"),
+    ("extra", "on_builtin", "on_vllm"),
     [
-        ({}, True),
-        ({"response_format": {"type": "text"}}, True),
-        ({"response_format": {"type": "json_object"}}, False),
-        ({"logprobs": True}, False),
-        ({"frequency_penalty": 0.5}, False),
-        ({"repetition_penalty": 1}, True),
-        ({"repetition_penalty": 1.2}, False),
-        ({"tools": [{"type": "function"}], "tool_choice": "none"}, True),
-        ({"tools": [{"type": "function"}]}, False),
-        ({"n": 1}, True),
-        ({"n": 2}, False),
+        ({}, True, True),
+        ({"response_format": {"type": "text"}}, True, True),
+        ({"response_format": {"type": "json_object"}}, True, False),
+        ({"seed": 3, "temperature": 1}, True, True),
+        ({"logprobs": True}, False, False),
+        ({"frequency_penalty": 0.5}, True, False),
+        ({"repetition_penalty": 1}, True, True),
+        ({"repetition_penalty": 1.2}, True, False),
+        ({"tools": [{"type": "function"}], "tool_choice": "none"}, True, True),
+        ({"tools": [{"type": "function"}]}, True, False),
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, True, False),
+        ({"n": 1}, True, True),
+        ({"n": 2}, False, False),
     ],
 )
-def test_streams_with_sampler_state_are_not_resumed_elsewhere(extra, resumable):
+def test_which_streams_are_resumed_elsewhere(extra, on_builtin, on_vllm):
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, **extra}
-    assert resumable_request(body) is resumable
+    assert resumable_request(body) is on_builtin
+    assert resumable_request(body, "vllm") is on_vllm

@@ -74,12 +74,16 @@ def test_streaming_passes_every_chunk_through(workers3, make_router):
     assert events[-1] == "data: [DONE]"
 
 
-def test_streams_that_offer_tools_are_relayed_without_migration_bookkeeping(workers3, make_router):
-    # The worker holds back possible tool-call text, which a resumed leg could not rebuild:
-    # the router must not ask for token ids (its resume bookkeeping) on such streams.
-    router = make_router(workers=urls(workers3[:1]))
+@pytest.mark.parametrize("engine", ["builtin", "vllm"])
+def test_streams_that_offer_tools_get_migration_bookkeeping_from_builtin_workers_only(
+    workers3, make_router, engine
+):
+    # A vLLM worker holds back possible tool-call text, which its resumed leg (a text
+    # completion) could not rebuild: the router must not ask for token ids (its resume
+    # bookkeeping) on such streams. A builtin worker's resumed leg replays them.
+    router = make_router(workers=urls(workers3[:1]), worker_engine=engine)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    for extra, wants_ids in (({}, True), ({"tools": tools}, False)):
+    for extra, wants_ids in (({}, True), ({"tools": tools}, engine == "builtin")):
         body = chat(stream=True, **extra)
         with HTTP.stream("POST", router.url + "/v1/chat/completions", timeout=30.0, json=body) as r:
             assert r.read().endswith(b"data: [DONE]\n\n")

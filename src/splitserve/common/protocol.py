@@ -14,7 +14,8 @@ splitserve's extensions to the OpenAI schema, with vLLM's names: ``top_k``,
 the first chunk) and each choice its generated ``token_ids`` (in a stream, that chunk's). The
 router uses them to resume a stream on another worker when its worker dies. ``kv_peer`` (the
 router's, not a client's: the base URL of the session's home worker) asks the worker to pull
-the conversation's KV from there before computing it.
+the conversation's KV from there before computing it. ``resume`` (the router's, on builtin
+workers only: ``Resume``) continues a stream that another worker began.
 """
 
 from __future__ import annotations
@@ -109,6 +110,18 @@ class KVRetention(_Request):
     ttl_s: float | None = Field(default=None, ge=0.0)  # None: the worker's default
 
 
+class Resume(_Request):
+    """Extension (the router's): this request continues the reply another worker began and
+    lost mid-stream. ``prompt_token_ids`` is what that worker reported for the prompt (this
+    worker's own must match), ``output_token_ids`` the tokens it had generated whose text the
+    client has. They count as this request's output: its sampler (a seed's draws, penalties),
+    grammar, tool-call parsing and stop strings go on from there, and its stream sends only
+    what follows them (``worker/resume.py``)."""
+
+    prompt_token_ids: list[int] = Field(min_length=1)
+    output_token_ids: list[int]
+
+
 class _SamplingFields(_Request):
     """Fields shared by chat and text completions."""
 
@@ -132,6 +145,7 @@ class _SamplingFields(_Request):
     return_token_ids: bool = False
     kv_retention: KVRetention | None = None
     kv_peer: str | None = None  # set by the router: the session's home worker (worker.peer)
+    resume: Resume | None = None  # set by the router: a migrated stream (worker/resume.py)
     # vLLM's field: requests with different salts never share cached KV (common/tenants.py).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 

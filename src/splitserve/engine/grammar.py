@@ -17,6 +17,7 @@ native code. The step waits for the masks only after its logits exist::
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -57,9 +58,18 @@ class Constraint:
             done = self.matcher.is_error() or self.matcher.is_accepting()
             if self._trigger is not None and done:
                 self.matcher, self._tail = None, b""  # the call closed: free text again
-            return
-        if self._trigger is None:
-            return
+        elif self._trigger is not None:
+            self._watch(token)
+
+    def replay(self, tokens: Sequence[int]) -> None:
+        """Consume output sampled elsewhere under the same grammar (a resumed stream), as it
+        was sampled: the matcher ends where its first worker's did, so the next mask is the
+        one that worker would have computed."""
+        for token in tokens:
+            self.advance(token)
+
+    def _watch(self, token: int) -> None:
+        """Free text: look for the trigger, and start the matcher after it."""
         self._tail += self._tokenizer.decode_bytes([token])
         at = self._tail.find(self._trigger)
         if at < 0:
@@ -91,9 +101,14 @@ class GrammarMasks:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self._constraints: dict[str, Constraint] = {}
 
-    def add(self, request_id: str, grammar: str, trigger: str | None = None) -> None:
-        """Compile ``grammar`` for a request (``ValueError`` if it does not compile)."""
-        self._constraints[request_id] = Constraint(self.tokenizer, grammar, trigger)
+    def add(
+        self, request_id: str, grammar: str, trigger: str | None = None, replay: Sequence[int] = ()
+    ) -> None:
+        """Compile ``grammar`` for a request (``ValueError`` if it does not compile) and
+        consume its ``replay`` tokens, the output it already has."""
+        constraint = Constraint(self.tokenizer, grammar, trigger)
+        constraint.replay(replay)
+        self._constraints[request_id] = constraint
 
     def remove(self, request_id: str) -> None:
         self._constraints.pop(request_id, None)

@@ -116,34 +116,41 @@ class LLMEngine:
         keep_blocks: bool = False,
         retention_s: float | None = None,
         session_id: str | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> None:
         """Queue a request. Raises ``ValueError`` (``InvalidParameter``) on bad input.
 
         ``keep_blocks``: the request is a prefill for a remote decode; when it finishes its
         KV blocks stay referenced (``RequestOutput.kept_blocks``) until ``release_blocks``.
         ``retention_s``: keep the prompt's KV pinned in the pool this long after finishing,
-        within ``session_id``'s quota.
+        within ``session_id``'s quota. ``output_token_ids``: tokens it generated already (on
+        a worker that died): they are its first output, as if it had been preempted after
+        them, so its seeded draws, penalties, grammar and stop strings go on from there.
         """
         if request_id in self._requests:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
+        output = list(output_token_ids or ())
+        self._validate_output(prompt_token_ids, output, params)
         seq = Sequence(
             request_id=request_id,
-            token_ids=list(prompt_token_ids),
+            token_ids=list(prompt_token_ids) + output,
             params=params,
             root_hash=self._root(salt),
             eos_token_ids=self.eos_token_ids,
             arrival_time=time.monotonic(),
+            num_prompt_tokens=len(prompt_token_ids),
             keep_blocks=keep_blocks,
             retention_s=retention_s,
             session_id=session_id,
         )
         try:
-            self.runner.add_request(request_id, params, seq.token_ids)
+            self.runner.add_request(request_id, params, seq.prompt_token_ids, output)
         except ValueError as e:
             raise InvalidParameter("grammar", str(e)) from e
         self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer.decode, stop=list(params.stop))
+        detok.update(output)  # the text the output so far had: its stream already sent it
         logprobs = [] if params.logprobs is not None else None
         self._requests[request_id] = _Request(seq, prompt, detok, logprobs)
 
@@ -158,6 +165,27 @@ class LLMEngine:
                 "prompt",
                 f"prompt has {len(prompt_token_ids)} tokens; this model's maximum context "
                 f"length is {self.max_model_len} tokens, including at least one output token",
+            )
+
+    def _validate_output(
+        self, prompt_token_ids: list[int], output: list[int], params: SamplingParams
+    ) -> None:
+        if not output:
+            return
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in output):
+            raise InvalidParameter(
+                "output_token_ids", f"output token ids must be integers in [0, {vocab})"
+            )
+        if len(output) >= params.max_tokens:
+            raise InvalidParameter(
+                "output_token_ids",
+                f"{len(output)} output tokens leave none of max_tokens={params.max_tokens}",
+            )
+        if len(prompt_token_ids) + len(output) >= self.max_model_len:
+            raise InvalidParameter(
+                "output_token_ids",
+                f"the prompt and output fill this model's context of {self.max_model_len}",
             )
 
     # ---- KV blocks in and out (disaggregation, tiers) ------------------------------------

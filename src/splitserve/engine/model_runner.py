@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -122,15 +122,21 @@ class ModelRunner:
         self._histories: dict[str, _History] = {}
 
     def add_request(
-        self, request_id: str, params: SamplingParams, prompt_token_ids: list[int]
+        self,
+        request_id: str,
+        params: SamplingParams,
+        prompt_token_ids: list[int],
+        output_token_ids: Sequence[int] = (),
     ) -> None:
         """Set up what sampling a request needs beyond its params: its grammar's matcher
         (``ValueError`` if the grammar does not compile), its penalties' token history.
-        ``remove_request`` drops it."""
+        ``output_token_ids``: what it has generated already (a resumed stream), consumed by
+        both. ``remove_request`` drops it."""
+        output = list(output_token_ids)
         if params.grammar is not None:
-            self.grammar_masks().add(request_id, params.grammar, params.grammar_trigger)
+            self.grammar_masks().add(request_id, params.grammar, params.grammar_trigger, output)
         if params.penalized:
-            self._histories[request_id] = _History(list(prompt_token_ids), [])
+            self._histories[request_id] = _History(list(prompt_token_ids), output)
 
     def remove_request(self, request_id: str) -> None:
         if self._grammar is not None:

@@ -74,8 +74,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PEER_FIELD = "kv_peer"  # the worker to pull a moved turn's KV from (worker.peer)
-# What only the router writes: these make a worker contact other hosts.
-ROUTER_FIELDS = (PEER_FIELD, "kv_transfer_params")
+# What only the router writes: the first two make a worker contact other hosts, ``resume``
+# continues a stream another worker began (router/migration.py).
+ROUTER_FIELDS = (PEER_FIELD, "kv_transfer_params", "resume")
 
 
 class Proxy:
@@ -166,9 +167,9 @@ class Proxy:
             self.metrics.kv_peer_hints.inc()
             added[PEER_FIELD] = decision.peer.url
         stream = body.get("stream") is True
-        if stream and not responses and resumable_request(body):
+        if stream and not responses and resumable_request(body, self.config.worker_engine):
             log = StreamLog.of(body, chat=path.endswith("/chat/completions"))
-            forwarding.relay = StreamRelay(log, body)
+            forwarding.relay = StreamRelay(log, body, continued=not vllm)
             forwarding.headers, forwarding.excluded = headers, excluded
             added.update(TOKEN_IDS_FIELD)
         payload = forwarded(raw, body, added, rewrite)

@@ -1,8 +1,9 @@
 """Resuming a stream that broke after its first byte on the session's next decode workers.
 
 The client already holds part of the answer, so the request is not retried: the router asks
-the next worker to continue from the tokens already delivered (``migration``), one leg per
-worker, and relays the rest into the same client stream.
+the next worker to continue from the tokens already delivered (``migration``: the request
+itself with a ``resume`` field on builtin workers, a text completion on vLLM ones), one leg
+per worker, and relays the rest into the same client stream.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ class Resumer:
         """Continue a broken stream on the session's next decode workers, one leg each."""
         relay, excluded = forwarding.relay, forwarding.excluded
         assert relay is not None and excluded is not None
-        if relay.log.finish_reason is not None:  # only the usage and [DONE] were lost
-            for out in relay.finish_locally():
+        # Only the ending was lost: the usage and [DONE], or the finish after the tool calls.
+        if relay.log.finish_reason is not None or relay.log.calls_sent:
+            for out in relay.finish_locally("tool_calls"):
                 yield out
             return
         for _ in range(self.max_retries + 1):
@@ -84,8 +86,11 @@ class Resumer:
                     for out in relay.finish_locally():
                         yield out
                     return
-                payload = json.dumps(relay.resume_body(remaining)).encode()
-                async with self._leg(worker, payload, forwarding) as upstream:
+                try:
+                    payload = json.dumps(relay.resume_body(remaining)).encode()
+                except RecursionError:  # the client's fields nest too deep to send again
+                    break
+                async with self._leg(worker, relay.resume_path, payload, forwarding) as upstream:
                     # SSE comments are ignored by clients; this one helps debugging and tests.
                     yield f": splitserve migrated to {worker.url}\n\n".encode()
                     async for out in relay.relay(pieces(upstream)):
@@ -97,14 +102,13 @@ class Resumer:
 
     @asynccontextmanager
     async def _leg(
-        self, worker: Worker, payload: bytes, forwarding: Forwarding
+        self, worker: Worker, path: str, payload: bytes, forwarding: Forwarding
     ) -> AsyncIterator[Response]:
         """One resumed leg's upstream stream, counted in the worker's load while it runs."""
         self.metrics.sent(worker.url, "decode")
         worker.in_flight += 1
         try:
             assert forwarding.headers is not None
-            path = "/v1/completions"
             headers = self.vouch.headers(
                 forwarding.headers, forwarding.tenant, "POST", path, payload
             )

@@ -25,7 +25,9 @@ async def add_request(
     options: dict[str, Any],
 ) -> Any:
     """Queue ``inp`` on the engine; a full queue is a 429, a bad parameter a 400 naming it,
-    a stopped engine a 503."""
+    a stopped engine a 503. A resumed input's output so far goes with it."""
+    if inp.resumed is not None:
+        options = {**options, "output_token_ids": inp.resumed.output_token_ids}
     try:
         return await async_engine.add(
             request_id,

@@ -51,10 +51,19 @@ class ModelInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class Resumed:
+    """The output a resumed stream's first worker generated (``worker/resume.py``)."""
+
+    output_token_ids: list[int]
+    text: str  # their text as the stream settled it, before tool-call hold-back
+
+
+@dataclass(frozen=True, slots=True)
 class EngineInput:
     prompt_token_ids: list[int]
     prompt: str | None
     params: SamplingParams
+    resumed: Resumed | None = None
 
 
 def chat_input(req: ChatCompletionRequest, model: ModelInfo) -> EngineInput:

@@ -40,10 +40,12 @@ DONE = "data: [DONE]\n\n"
 
 def usage_of(outs: list[RequestOutput]) -> Usage:
     """A request's usage over its choices, as OpenAI counts it: the prompt once (with what
-    was cached of it when choice 0 started), the completion tokens of every choice."""
+    was cached of it when choice 0 started), the completion tokens of every choice. A
+    resumed stream's cache may have held some of its output too: only the prompt's count."""
     first = outs[0]
     completion = sum(len(out.outputs[0].token_ids) for out in outs)
-    return Usage.of(len(first.prompt_token_ids), completion, first.num_cached_tokens)
+    prompt = len(first.prompt_token_ids)
+    return Usage.of(prompt, completion, min(first.num_cached_tokens, prompt))
 
 
 def token_id_fields(out: RequestOutput, on: bool) -> tuple[dict, dict]:
@@ -243,6 +245,12 @@ class _ChoiceState:
         self.calls = ToolCallStream() if tools else None
         self.offset = 0  # text completions: where the next token's text starts
 
+    def resume(self, text: str) -> None:
+        """Go on after ``text``, the output that another worker's stream already sent."""
+        if self.calls is not None:
+            self.calls.feed(text)  # what it releases, the first worker released
+        self.offset = len(text)
+
 
 async def sse_events(
     stream: RequestStream,
@@ -257,6 +265,7 @@ async def sse_events(
     logprobs: LogprobFormatter | None = None,
     parallel_tool_calls: bool = True,
     n: int = 1,
+    resumed_text: str | None = None,
 ) -> AsyncIterator[str]:
     """The server-sent events of one streamed completion of ``n`` choices, ending with
     ``data: [DONE]``. Every chunk names its choice's ``index``; each choice ends with its
@@ -268,12 +277,16 @@ async def sse_events(
     text that may be a tool call is held back and sent at the end as ``tool_calls``, and
     ``on_tool_calls`` runs once, after the first choice's calls are sent (only the first
     call without ``parallel_tool_calls``). With ``logprobs`` every token's chunk carries its
-    log-probabilities, even when its text is held back.
+    log-probabilities, even when its text is held back. ``resumed_text``: the stream goes
+    on from a dead worker's (``worker/resume.py``), whose role chunk and this output text
+    the client has.
     """
     chunks = _Chunks(request_id, model, chat, include_usage, prompt_token_ids)
     states = [_ChoiceState(tools) for _ in range(n)]
     finals: dict[int, RequestOutput] = {}
-    if chat:
+    if resumed_text is not None:
+        states[0].resume(resumed_text)
+    elif chat:
         for index in range(n):
             yield chunks.choice("", None, role=True, index=index)
     try:

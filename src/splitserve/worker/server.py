@@ -68,6 +68,7 @@ from splitserve.worker.responses import (
     sse_events,
 )
 from splitserve.worker.responses_api import responses_routes
+from splitserve.worker.resume import resumed_input
 from splitserve.worker.tier_metrics import TierCollector
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,7 @@ async def _serve(
     kv: KVSides,
     auth: WorkerAuth,
 ) -> Response:
+    inp = resumed_input(req, inp, model)
     request_id = request.state.request_id = make_id("chatcmpl" if chat else "cmpl")
     request.state.session = session_of(req, request)
     tools = chat and offers_tools(req)  # type: ignore[arg-type]
@@ -269,6 +271,7 @@ async def _serve(
             logprobs,
             parallel,
             n,
+            resumed_text=inp.resumed.text if inp.resumed is not None else None,
         )
         return SSEResponse(events, headers={"Cache-Control": "no-cache"})
     try:
