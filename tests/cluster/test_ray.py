@@ -58,8 +58,18 @@ class Deployment:
         raise TimeoutError(f"not reached in {timeout:.0f}s: {self.procs()}")
 
 
-def all_ready(count: int):
-    return lambda procs: len(procs) == count and all(p["state"] == "ready" for p in procs)
+def all_ready(count: int, restarted: dict | None = None):
+    """All ``count`` processes ready (and ``restarted``'s slot started again since)."""
+
+    def check(procs: list[dict]) -> bool:
+        if len(procs) != count or any(p["state"] != "ready" for p in procs):
+            return False
+        if restarted is None:
+            return True
+        back = next((p for p in procs if p["name"] == restarted["name"]), None)
+        return back is not None and back["restarts"] > restarted["restarts"]
+
+    return check
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +262,7 @@ def test_killed_worker_is_replaced_where_it_was_and_no_request_fails(deployment)
     with Load(deployment.routers) as load:
         load.wait_done(2)
         os.kill(victim["pid"], signal.SIGKILL)
-        procs = deployment.wait(all_ready(5))
+        procs = deployment.wait(all_ready(5, restarted=victim))
         load.wait_done(4)  # and the load goes on through the replacement
     back = next(p for p in procs if p["name"] == "decode-0")
     assert back["pid"] != victim["pid"] and back["restarts"] == victim["restarts"] + 1
@@ -265,7 +275,7 @@ def test_killed_router_replica_is_replaced_and_the_other_serves_on(deployment):
     with Load(deployment.routers[1:]) as load:
         load.wait_done(1)
         os.kill(victim["pid"], signal.SIGKILL)
-        procs = deployment.wait(all_ready(5))
+        procs = deployment.wait(all_ready(5, restarted=victim))
         load.wait_done(2)
     back = next(p for p in procs if p["name"] == victim["name"])
     assert back["url"] == victim["url"] and back["pid"] != victim["pid"]

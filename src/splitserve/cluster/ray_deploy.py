@@ -260,7 +260,11 @@ class Controller:
         done, _ = ray.wait([slot.placing], timeout=0)
         if not done:
             return False
-        where, prefer = ray.get(slot.placing), slot.prefer
+        try:
+            where, prefer = ray.get(slot.placing), slot.prefer
+        except ray.exceptions.RayActorError:  # e.g. its node died before Ray said so
+            self._launch(slot, prefer=slot.prefer)
+            return False
         same = prefer is not None and where["node_id"] == prefer.get("node_id")
         ports = dict(prefer["ports"]) if same else slot_ports(self.plan, slot)
         if slot.role == ROUTER and binds_router_port(self.plan, slot):

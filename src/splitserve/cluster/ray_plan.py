@@ -71,7 +71,7 @@ def binds_router_port(plan: RayPlan, slot: Slot) -> bool:
 
 def actor_options(plan: RayPlan, role: str, prefer: dict[str, Any] | None) -> dict[str, Any]:
     """Ray options for an actor of ``role``: its CPUs/GPUs and label, and where: ``prefer``'s
-    node if it still lives, the head for a router, spread across nodes for a worker."""
+    node if it still lives, else the head for a router, spread across nodes for a worker."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
@@ -82,10 +82,13 @@ def actor_options(plan: RayPlan, role: str, prefer: dict[str, Any] | None) -> di
     if label:
         opts["label_selector"] = dict(label)
     node = None if prefer is None else prefer.get("node_id")
-    if node is None and role == ROUTER and not label:  # on the head, unless labelled
-        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head_node(), soft=False)
-    elif node is not None:  # where it was, unless that node is gone
-        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+    if node is not None and node not in alive_nodes():
+        node = None  # that node is gone: placed as if new
+    if node is None and role == ROUTER and not label:
+        node = head_node()
+    # Hard affinity: a soft one to a live node was seen to land elsewhere (Ray 2.60).
+    if node is not None:
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
     elif role != ROUTER:
         opts["scheduling_strategy"] = "SPREAD"
     return opts
@@ -138,3 +141,9 @@ def head_node() -> str | None:
         if node["Alive"] and "node:__internal_head__" in node["Resources"]:
             return node["NodeID"]
     return None
+
+
+def alive_nodes() -> set[str]:
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
