@@ -153,3 +153,12 @@ def test_removing_a_blank_worker_url_is_a_404_not_a_500(workers3, make_router):
     router = make_router(workers=[workers3[0].url], admin_key="admin")
     r = HTTP.delete(f"{router.url}/workers/%20", headers=ADMIN)
     assert r.status_code == 404 and r.json()["error"]["code"] == "worker_not_found"
+
+
+def test_the_listing_counts_the_sessions_each_worker_served_last(workers3, make_router):
+    router = make_router(workers=[w.url for w in workers3], admin_key="admin")
+    last = {k: place(router, k) for k in (f"s{i}" for i in range(12))}
+    place(router, "s0")  # a second turn of a session counts once
+    counts = {url: w["sessions"] for url, w in listing(router).items()}
+    assert counts == {w.url: list(last.values()).count(w.url) for w in workers3}
+    assert sum(counts.values()) == 12
