@@ -123,8 +123,6 @@ def ray_plan(
 
     if args.tls:
         raise ValueError("--tls is not available with --ray yet")
-    if topology.kv_events_tokenizer is not None:
-        raise ValueError("--policy kv-events is not available with --ray yet")
     if keys_file and topology.engine == "vllm":
         raise ValueError("--api-keys with --engine vllm is not available with --ray yet")
     if not topology.decode:  # one collocated worker, behind a router like every Ray deployment

@@ -1,7 +1,8 @@
 """``splitserve serve --ray`` on a real two-node Ray cluster (tests/ray_nodes.py): placement
 by label and spread, the OpenAI API through two router replicas, P/D across nodes, and,
 under a steady load of streamed session turns, a killed worker, a killed router replica,
-scaling up and down and a lost node, with no failed request."""
+scaling up and down and a lost node, with no failed request; then an autoscaled deployment
+placing by KV events."""
 
 from __future__ import annotations
 
@@ -341,6 +342,7 @@ def test_autoscale_moves_the_split_as_the_simulator_predicts_when_prompts_grow(c
 
     slo = "ttft:3000,tpot:250"
     args = ["--ray-name", "auto", "--prefill", "1", "--decode", "1", "--autoscale"]
+    args += ["--policy", "kv-events"]  # a decode worker that joins is subscribed to as well
     args += ["--autoscale-interval", "15", "--autoscale-slo", slo, "--autoscale-host-cores", "2"]
     planner = Planner(SLO.parse(slo), host_cores=2, remote_prefill_threshold=64)
     for d in serve(cluster, args):
@@ -369,6 +371,10 @@ def test_autoscale_moves_the_split_as_the_simulator_predicts_when_prompts_grow(c
             sum(p["role"] == "decode" for p in procs),
         )
         assert split == tuple(scaled[-1]["best"])
+        with Load(d.routers, clients=1, max_tokens=4, prompt="Say hi.") as load:
+            load.wait_done(4)
+        served = [w for w in d.status()["workers"] if w["role"] == "decode" and w["sessions"]]
+        assert served and all(w["kv_blocks_indexed"] > 0 for w in served), served
 
 
 def _decisions(d: Deployment, count: int, until=None, timeout: float = 300.0) -> list[dict]:

@@ -174,3 +174,35 @@ def test_salted_requests_are_placed_and_predicted_by_their_own_chain(workers, ma
     assert again == first and cached == predicted > 0
     cached, predicted, _ = send("team-b")  # the same tokens, another salt: no hit anywhere
     assert cached == predicted == 0
+
+
+def test_a_worker_added_at_run_time_is_subscribed_and_a_removed_one_forgotten(workers, make_router):
+    (first, first_events), (second, second_events) = workers
+    admin = {"Authorization": "Bearer admin"}
+    router = make_router(
+        workers=[first],
+        policy="kv-events",
+        kv_events={first: first_events},
+        tokenizer=tokenizer_dir(),
+        admin_key="admin",
+    )
+    state = router.app.app.state
+    index: KVIndex = state.kv_index
+    bad = {"url": second, "role": "decode", "kv_events": "udp://x"}
+    r = HTTP.post(router.url + "/workers", json=bad, headers=admin)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_events"
+    joined = {"url": second, "role": "decode", "kv_events": second_events}
+    assert HTTP.post(router.url + "/workers", json=joined, headers=admin).status_code == 201
+    wait_until(lambda: state.kv_events.connected == {first, second}, what="both subscriptions")
+    warm_up(index, second)  # its events reach the index: the new worker is learned
+    assert len(index.workers[second]) > 0
+    assert HTTP.delete(f"{router.url}/workers/{second}", headers=admin).status_code == 200
+    assert second not in state.kv_events.connected and second not in index.workers
+
+
+def test_kv_events_of_a_joining_worker_need_the_kv_events_policy(workers, make_router):
+    (first, _), (second, second_events) = workers
+    router = make_router(workers=[first], admin_key="admin")
+    joined = {"url": second, "kv_events": second_events}
+    r = HTTP.post(router.url + "/workers", json=joined, headers={"Authorization": "Bearer admin"})
+    assert r.status_code == 400 and "--policy kv-events" in r.json()["error"]["message"]

@@ -270,8 +270,10 @@ class Controller:
         if slot.role == ROUTER and binds_router_port(self.plan, slot):
             ports["port"] = self.plan.router_port
         with self._lock:  # all a router may need; its first sync drops the unhealthy
-            workers = {s.url: s.role for s in self._slots.values() if s.role != ROUTER and s.url}
-        argv, env = slot_command(self.plan, slot, workers)
+            workers = [s for s in self._slots.values() if s.role != ROUTER and s.url]
+            members = {s.url: s.role for s in workers}
+            events = {s.url: s.events for s in workers if s.events}
+        argv, env = slot_command(self.plan, slot, members, events)
         slot.info = ray.get(slot.actor.start.remote(argv, env, ports), timeout=60)
         slot.placing = None
         return True
@@ -287,6 +289,7 @@ class Controller:
     def _sync_routers(self) -> None:
         with self._lock:
             want = self._member_urls()
+            events = {s.url: s.events for s in self._slots.values() if s.url in want}
             routers = [s for s in self._slots.values() if s.role == ROUTER and s.state == "ready"]
         head = {"Authorization": f"Bearer {self.plan.admin_key}"}
         for router in routers:
@@ -297,6 +300,8 @@ class Controller:
                     httpx.delete(f"{router.url}/workers/{url}", headers=head, timeout=5)
                 for url in want.keys() - have.keys():
                     body = {"url": url, "role": want[url]}
+                    if events.get(url):
+                        body["kv_events"] = events[url]
                     httpx.post(f"{router.url}/workers", json=body, headers=head, timeout=5)
             except (httpx.HTTPError, ValueError, KeyError):
                 continue  # down or restarting: the next pass, or its restart, catches up

@@ -60,6 +60,12 @@ class Slot:
             return None
         return f"http://{self.info['ip']}:{self.info['ports']['port']}"
 
+    @property
+    def events(self) -> str | None:
+        """Where a decode worker publishes its KV events (the kv-events policy)."""
+        port = self.info.get("ports", {}).get("events")
+        return None if port is None else f"tcp://{self.info['ip']}:{port}"
+
 
 def binds_router_port(plan: RayPlan, slot: Slot) -> bool:
     """Replicas on nodes of their own (a router label) all bind ``--port``; on the head,
@@ -106,16 +112,20 @@ def slot_ports(plan: RayPlan, slot: Slot) -> dict[str, int | None]:
 
 
 def slot_command(
-    plan: RayPlan, slot: Slot, workers: dict[str, str]
+    plan: RayPlan, slot: Slot, workers: dict[str, str], events: dict[str, str]
 ) -> tuple[list[str], dict[str, str]]:
     """``slot``'s command line (``{host}`` and ports left for its node) and environment;
-    ``workers``: URL -> role of the workers a router starts with."""
+    ``workers``: URL -> role of the workers a router starts with, ``events``: URL -> KV
+    events endpoint of those that publish them."""
     t = plan.topology
     env = dict(plan.env)
     if slot.role == ROUTER:
         prefill = [u for u, r in workers.items() if r == "prefill"]
         decode = [u for u, r in workers.items() if r != "prefill"]
         args = [*t.router_args, "--disaggregate"]
+        if t.kv_events_tokenizer is not None:
+            args += ["--tokenizer", t.kv_events_tokenizer]
+            args += [f"--kv-events={url}={endpoint}" for url, endpoint in events.items()]
         if t.engine == "vllm":
             args += ["--worker-engine", "vllm"]
         env["SPLITSERVE_ADMIN_KEY"] = plan.admin_key

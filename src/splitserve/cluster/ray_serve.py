@@ -132,9 +132,12 @@ def status(ctrl) -> dict[str, list[dict[str, Any]]]:
     routers = [s for s in slots if s["role"] == ROUTER]
     workers = [s for s in slots if s["role"] != ROUTER]
     sessions: dict[str, int] = {}
+    indexed: dict[str, int] = {}  # with --policy kv-events: blocks a router's index holds
     for router in routers:
         for w in _get(router["url"], "/workers", admin_key).get("workers", []):
             sessions[w["url"]] = sessions.get(w["url"], 0) + w.get("sessions", 0)
+            if "kv_blocks_indexed" in w:
+                indexed[w["url"]] = max(indexed.get(w["url"], 0), w["kv_blocks_indexed"])
     for w in workers:
         load = _get(w["url"], "/load", worker_key) if w["url"] else {}
         w.update(
@@ -143,6 +146,8 @@ def status(ctrl) -> dict[str, list[dict[str, Any]]]:
             kv_usage=load.get("kv_usage"),
             sessions=sessions.get(w["url"], 0),
         )
+        if w["url"] in indexed:
+            w["kv_blocks_indexed"] = indexed[w["url"]]
     decisions = ray.get(ctrl.decisions.remote(), timeout=30)
     return {"nodes": nodes, "workers": workers, "routers": routers, "decisions": decisions}
 

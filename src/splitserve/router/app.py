@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -179,14 +180,18 @@ def _admin_routes(
 
     @router.post("/workers")
     async def add_worker(request: Request) -> JSONResponse:
-        worker = _worker_from(await _body(request))
+        body = await _body(request)
+        worker = _worker_from(body)
+        events = _events_endpoint(body, kv_index)
         added = membership.add(worker)
+        if events is not None:
+            await request.app.state.kv_events.add(worker.url, events)
         return JSONResponse(
             _describe(membership.get(worker.url), kv_index), status_code=201 if added else 200
         )
 
     @router.delete("/workers/{url:path}")
-    async def remove_worker(url: str) -> dict[str, Any]:
+    async def remove_worker(url: str, request: Request) -> dict[str, Any]:
         try:
             worker = membership.remove(url)
         except ValueError:  # not even a URL (blank): no such worker either
@@ -195,6 +200,8 @@ def _admin_routes(
             raise RouterError(
                 404, f"no worker {url!r} in this router", code="worker_not_found", param="url"
             )
+        if kv_index is not None:
+            await request.app.state.kv_events.remove(worker.url)
         return {"url": worker.url, "removed": True}
 
     return router
@@ -220,6 +227,22 @@ def _worker_from(body: dict[str, Any]) -> Worker:
         return Worker(check_url(normalize_url(url)), role)
     except ValueError as e:
         raise RouterError(400, str(e), param="url") from e
+
+
+def _events_endpoint(body: dict[str, Any], kv_index: KVIndex | None) -> str | None:
+    """A joining worker's ``kv_events`` (``tcp://HOST:PORT``), for the kv-events policy."""
+    endpoint = body.get("kv_events")
+    if endpoint is None:
+        return None
+    if kv_index is None:
+        raise RouterError(
+            400,
+            "'kv_events' needs a router that places by KV events (--policy kv-events)",
+            param="kv_events",
+        )
+    if not isinstance(endpoint, str) or not re.fullmatch(r"tcp://[^\s:/]+:\d{1,5}", endpoint):
+        raise RouterError(400, "'kv_events' must be tcp://HOST:PORT", param="kv_events")
+    return endpoint
 
 
 def _describe(w: Worker, kv_index: KVIndex | None = None) -> dict[str, Any]:

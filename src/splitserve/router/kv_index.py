@@ -205,24 +205,37 @@ class KVEventSubscriber:
         self.endpoints = dict(endpoints)
         self.topic = topic
         self._context = zmq.asyncio.Context()
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[str, list[asyncio.Task]] = {}
         self.connected: set[str] = set()  # URLs whose publisher is connected now
 
     def start(self) -> None:
         for url, endpoint in self.endpoints.items():
-            socket = subscribe(self._context, endpoint, self.topic)
-            monitor = socket.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-            )
-            self._tasks.append(asyncio.create_task(self._receive(url, socket)))
-            self._tasks.append(asyncio.create_task(self._watch(url, monitor)))
+            self._subscribe(url, endpoint)
+
+    async def add(self, url: str, endpoint: str) -> None:
+        """Subscribe to a worker that joined at run time (``POST /workers``); a worker
+        already subscribed is subscribed again at ``endpoint``."""
+        await self.remove(url)
+        self.endpoints[url] = endpoint
+        self._subscribe(url, endpoint)
+
+    async def remove(self, url: str) -> None:
+        """Stop listening to ``url`` and forget what it held."""
+        self.endpoints.pop(url, None)
+        await _cancel(self._tasks.pop(url, []))
+        self.connected.discard(url)
+        self.index.forget(url)
+
+    def _subscribe(self, url: str, endpoint: str) -> None:
+        socket = subscribe(self._context, endpoint, self.topic)
+        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._tasks[url] = [
+            asyncio.create_task(self._receive(url, socket)),
+            asyncio.create_task(self._watch(url, monitor)),
+        ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await _cancel([t for tasks in self._tasks.values() for t in tasks])
         self._tasks.clear()
         self._context.destroy(linger=0)
 
@@ -257,3 +270,11 @@ class KVEventSubscriber:
                     self.index.forget(url)
         finally:
             monitor.close(linger=0)
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
