@@ -22,7 +22,8 @@ LAYERS: list[set[str]] = [
     {"kvstore"},
     {"engine"},
     {"transfer", "entrypoints"},
-    {"worker", "cluster", "sim"},
+    {"sim"},
+    {"worker", "cluster"},
     {"bench"},
     {ROOT},
 ]
