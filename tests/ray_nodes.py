@@ -17,8 +17,14 @@ import psutil
 from procs import die_with_parent, free_port
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-# A lost node is declared dead in ~3 s instead of Ray's default ~30 s.
-FAST_HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+# A lost node is declared dead in ~3 s instead of Ray's default ~30 s. Ray's memory monitor
+# is off: the machine is shared with other tests, and Ray would kill actors (the controller
+# among them) on the others' account.
+RAY_ENV = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+    "RAY_memory_monitor_refresh_ms": "0",
+}
 
 
 class RayNode:
@@ -33,7 +39,7 @@ class RayNode:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv,
-                env={**os.environ, **FAST_HEALTH},
+                env={**os.environ, **RAY_ENV},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
