@@ -29,7 +29,7 @@ class ScheduledChunk:
     num_output_tokens: int = 0  # tokens generated so far; indexes a seeded request's RNG stream
 
     # The simulator makes these at every step: mypyc compiles a hand-written ``__init__``,
-    # not the one ``@dataclass`` generates (``docs/simulator.md``, "Scale").
+    # not the one ``@dataclass`` generates (``docs/journal/2026-12-01.md``).
     def __init__(
         self,
         request_id: str,

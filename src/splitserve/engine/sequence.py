@@ -50,7 +50,7 @@ class Sequence:
     chain: BlockChain | None = None
 
     # The simulator makes two or three per request: mypyc compiles a hand-written
-    # ``__init__``, not the one ``@dataclass`` generates (``docs/simulator.md``, "Scale").
+    # ``__init__``, not the one ``@dataclass`` generates (``docs/journal/2026-12-01.md``).
     def __init__(
         self,
         request_id: str,

@@ -43,7 +43,7 @@ ACTIVATION_BYTES = 2  # all-reduce payloads travel in 16-bit
 class StepShape:
     """One step's work. Made at every step: its ``__init__`` is written out, because mypyc
     compiles a hand-written one but leaves the one ``@dataclass`` generates interpreted
-    (frozen, ~25x slower to build; ``docs/simulator.md``, "Scale")."""
+    (frozen, ~25x slower to build; ``docs/journal/2026-12-01.md``)."""
 
     tokens: int
     sampled: int

@@ -42,7 +42,7 @@ class RequestRecord:
     error: str = ""
 
     # A simulated million requests make a million: mypyc compiles a hand-written
-    # ``__init__``, not the one ``@dataclass`` generates (``docs/simulator.md``, "Scale").
+    # ``__init__``, not the one ``@dataclass`` generates (``docs/journal/2026-12-01.md``).
     def __init__(
         self,
         session_id: str,
