@@ -3,7 +3,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from splitserve.common.kv_hash import BlockChain, block_hash, hash_blocks, root_hash
+from splitserve.common.kv_hash import (
+    BlockChain,
+    ChainSalts,
+    block_hash,
+    chain_salts,
+    hash_blocks,
+    root_hash,
+    split_salt,
+)
 
 TOKENS = list(range(100, 150))  # 3 full blocks of 16 and a partial one
 
@@ -89,3 +97,43 @@ def test_block_chain_hashes_each_block_once_and_extends_in_steps():
     assert chain.tokens == [tuple(TOKENS[i * 16 : (i + 1) * 16]) for i in range(3)]
     chain.extend(TOKENS, 2)  # already covered: nothing changes
     assert len(chain) == 3
+
+
+# A split salt: the full blocks of the first ``tokens`` tokens under a shared salt, the rest
+# under each key's own (``split_salt``).
+def test_a_split_chain_shares_exactly_the_blocks_within_its_shared_tokens():
+    alice = hash_blocks(TOKENS, root_hash("m", split_salt("public", 40, "alice")))
+    bob = hash_blocks(TOKENS, root_hash("m", split_salt("public", 40, "bob")))
+    shared = hash_blocks(TOKENS[:32], root_hash("m", "public"))
+    assert alice[:2] == bob[:2] == shared  # 40 tokens hold two full blocks of 16
+    assert alice[2] != bob[2]
+    assert alice[2] not in hash_blocks(TOKENS, root_hash("m", "alice"))
+    assert alice[2] == block_hash(alice[1], TOKENS[32:48], root_hash("m", "alice"))
+
+
+def test_a_split_with_no_full_shared_block_is_the_own_chain():
+    own = hash_blocks(TOKENS, root_hash("m", "alice"))
+    assert hash_blocks(TOKENS, root_hash("m", split_salt("public", 15, "alice"))) == own
+    assert split_salt("public", 0, "alice") == "alice"
+    assert chain_salts(split_salt("public", 15, "alice"), 16) == ChainSalts("alice")
+    assert chain_salts(split_salt("public", 40, "alice"), 16) == ChainSalts("public", 2, "alice")
+    assert chain_salts("plain", 16) == ChainSalts("plain")
+
+
+def test_block_chain_follows_a_split_root_as_hash_blocks_does():
+    for tokens in (40, 48, 15):
+        root = root_hash("m", split_salt("public", tokens, "alice"))
+        chain = BlockChain(root, 16)
+        chain.extend(TOKENS, 1)
+        chain.extend(TOKENS, 3)
+        assert chain.hashes == hash_blocks(TOKENS, root, 16)
+        assert chain.root == root
+
+
+def test_split_salts_are_unambiguous_and_malformed_ones_are_plain_names():
+    a = root_hash("m", split_salt("ab", 32, "c"))
+    assert (
+        a != root_hash("m", split_salt("a", 32, "bc")) != root_hash("m", split_salt("ab", 33, "c"))
+    )
+    for odd in ("\0", "\0x:1:ab", "\0" + "16:9:ab", "\x0016:2:ab"):
+        assert root_hash("m", odd) == root_hash("m", odd) and len(root_hash("m", odd)) == 16

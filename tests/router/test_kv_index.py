@@ -7,13 +7,18 @@ import time
 
 from splitserve.common.kv_events import (
     AllBlocksCleared,
+    BlockEventSink,
     BlockRemoved,
     BlockStored,
     EventBatch,
     EventPublisher,
+    first_block_salt,
     salted_extra_keys,
 )
-from splitserve.common.kv_hash import hash_blocks
+from splitserve.common.kv_hash import hash_blocks, root_hash, split_salt
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.sequence import Sequence
 from splitserve.router.kv_index import ROOT, KVEventSubscriber, KVIndex, chain_root
 
 BS = 4
@@ -198,3 +203,46 @@ def test_the_salt_is_read_past_a_lora_name_as_vllm_orders_extra_keys():
     event.lora_name, event.extra_keys = "adapter", [("adapter", "alice")]
     index.apply(W1, 0, batch(event))
     assert index.matches([W1], TOKENS[:8], "alice") == {W1: BS}
+
+
+class Collected:
+    """What a worker's block manager publishes, kept in order."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def emit(self, event) -> None:
+        self.events.append(event)
+
+
+def test_a_split_chain_is_indexed_as_the_worker_hashed_it():
+    # A key's prompt whose first 9 tokens are its tenant's public prefix: the worker's events
+    # name the switch block's salt, and the index hashes the prompt with the same split.
+    def run(salt: str, tokens: list[int], engine: BlockManager, rid: str) -> None:
+        root = root_hash("test-model", salt)
+        engine.note_salt(root, salt)
+        seq = Sequence(rid, list(tokens), SamplingParams(), root)
+        match = engine.match_prefix(seq)
+        n = seq.num_tokens - match.num_blocks * BS
+        engine.allocate(seq, match)
+        engine.append_slots(seq, n)
+        seq.num_computed_tokens += n
+        engine.cache_full_blocks(seq)
+
+    alice = split_salt("public", 9, "alice")  # blocks 0 and 1 are public
+    bob = split_salt("public", 9, "bob")
+    out = Collected()
+    engine = BlockManager(16, BS)
+    engine.events = BlockEventSink(out, BS)
+    run(alice, TOKENS[:6], engine, "a0")  # one block first, then the rest of the chain
+    run(alice, TOKENS, engine, "a1")
+    index = KVIndex()
+    index.apply(W1, 0, batch(*out.events))
+    assert [first_block_salt(e) for e in out.events] == ["public", "", "alice"]
+    assert index.matches([W1], TOKENS + [1], alice) == {W1: 5 * BS}
+    assert index.matches([W1], TOKENS + [1], bob) == {W1: 2 * BS}  # the public blocks only
+    assert index.matches([W1], TOKENS + [1], "alice") == {W1: 0}
+    run(bob, TOKENS, engine, "b")  # bob's own blocks after the two he found
+    index.apply(W1, 1, batch(*out.events[3:]))
+    assert first_block_salt(out.events[3]) == "bob" and out.events[3].parent_block_hash
+    assert index.matches([W1], TOKENS + [1], bob) == {W1: 5 * BS}

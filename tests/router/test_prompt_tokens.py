@@ -122,3 +122,38 @@ def test_named_templates_and_special_tokens_from_the_config(tmp_path, tokenizers
 def test_a_directory_without_a_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.json"):
         ChatTokenizer.from_dir(str(tmp_path))
+
+
+def test_router_and_worker_split_a_public_prefix_alike(tokenizers, tmp_path):
+    # The router's KV-event index must name the blocks the worker hashes: both derive the
+    # same split salt from the keys file, each with its own tokenizer.
+    from splitserve.common.tenants import Tenants
+    from splitserve.router.app import _salts
+    from splitserve.worker.auth import WorkerAuth
+
+    router, model = tokenizers
+    system = "You are the assistant of a small rocket company; be brief and exact."
+    keys = {
+        "keys": [{"key": "sk-1", "tenant": "acme", "share_public_prefix": True}],
+        "tenants": {
+            "acme": {
+                "public_prefixes": [
+                    {"messages": [{"role": "system", "content": system}]},
+                    "Transcript of a support call between Acme and a customer.",
+                ]
+            }
+        },
+    }
+    (tmp_path / "keys.json").write_text(json.dumps(keys))
+    tenants = Tenants.load(tmp_path / "keys.json")
+    principal = tenants.identify("Bearer sk-1").principal
+    at_router = _salts(tenants, b"secret", router)
+    at_worker = WorkerAuth.for_model(tenants, b"secret", model.tokenizer).salts
+    chat = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
+    text = {"prompt": "Transcript of a support call between Acme and a customer. Agent: hello"}
+    chat_ids = chat_input(ChatCompletionRequest.model_validate(chat), model).prompt_token_ids
+    text_ids = completion_input(CompletionRequest.model_validate(text), model).prompt_token_ids
+    for body, ids in ((chat, chat_ids), (text, text_ids)):
+        salt = at_worker.salt(principal, None, ids)
+        assert salt.startswith("\0")  # split: the prefix is shared
+        assert at_router.salt(principal, None, router.request_ids(body)) == salt

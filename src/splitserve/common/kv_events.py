@@ -229,10 +229,11 @@ class BlockEventSink:
         blocks: Sequence[tuple[int, ...]],
         salt: str = "",
     ) -> None:
-        """A stored run; a salted chain's first block carries its salt in ``extra_keys``,
-        where vLLM puts a request's ``cache_salt``."""
+        """A stored run; its first block carries ``salt`` in ``extra_keys`` (a salted
+        chain's first block, where vLLM puts a request's ``cache_salt``, or a split chain's
+        switch block)."""
         tokens = [t for block in blocks for t in block]
-        extra = salted_extra_keys(len(hashes), salt) if parent is None else None
+        extra = salted_extra_keys(len(hashes), salt)
         self.publisher.emit(
             BlockStored(
                 list(hashes), parent, tokens, self.block_size, None, self.medium, None, extra
@@ -247,15 +248,15 @@ class BlockEventSink:
 
 
 def salted_extra_keys(num_blocks: int, salt: str) -> list[tuple[Any, ...] | None] | None:
-    """``extra_keys`` of a chain's first ``num_blocks`` blocks hashed with ``salt``: the
-    salt in the first block's entry, as vLLM's; None for the empty salt."""
+    """``extra_keys`` of a run of ``num_blocks`` blocks whose first is hashed with ``salt``:
+    the salt in the first block's entry, as vLLM's; None for the empty salt."""
     if not salt or num_blocks < 1:
         return None
     return [(salt,), *([None] * (num_blocks - 1))]
 
 
 def first_block_salt(event: BlockStored) -> str:
-    """The salt a chain's first stored block was hashed with ("" when none): the string
+    """The salt a stored run's first block was hashed with ("" when none): the string
     among its ``extra_keys`` (a LoRA name comes first when ``lora_name`` is set; multimodal
     entries are tuples)."""
     if not event.extra_keys or event.extra_keys[0] is None:

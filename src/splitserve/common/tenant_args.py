@@ -14,8 +14,10 @@ def add_api_keys_arg(p: argparse.ArgumentParser) -> None:
         "--api-keys",
         default=None,
         metavar="FILE",
-        help="a JSON list of {key or key_sha256, tenant, limits}: one tenant per key, whose "
-        "KV no other tenant shares (default: $SPLITSERVE_API_KEYS; overrides --api-key)",
+        help="a JSON list of {key or key_sha256, tenant, limits, share_public_prefix}: one "
+        "tenant per key, whose KV no other tenant shares; or {keys: [...], tenants: {ID: "
+        "{public_prefixes: [...]}}} to let a tenant's keys share those prefixes' KV, see "
+        "docs/security.md (default: $SPLITSERVE_API_KEYS; overrides --api-key)",
     )
 
 

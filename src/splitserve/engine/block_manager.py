@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from splitserve.common.kv_hash import BlockChain, BlockHash
+from splitserve.common.kv_hash import BlockChain, BlockHash, chain_salts
 from splitserve.engine.block_views import Blocks
 from splitserve.engine.cache_events import CacheEvents, SaltNames, report_runs
 from splitserve.engine.free_queue import FreeQueue
@@ -195,6 +195,7 @@ class BlockManager:
                 chain.tokens[start:num_full],
                 new,
                 seq.root_hash,
+                start,
             )
         return published
 
@@ -377,7 +378,7 @@ class BlockManager:
         if blocks is None:
             bs, end = self.block_size, start_block + len(hashes)
             blocks = [tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(start_block, end)]
-        self._report_stored(parent, hashes, blocks, new, root)
+        self._report_stored(parent, hashes, blocks, new, root, start_block)
 
     def _report_stored(
         self,
@@ -386,9 +387,11 @@ class BlockManager:
         tokens: list[tuple[int, ...]],
         new: set[BlockHash],
         root: BlockHash | None = None,
+        start: int = 0,
     ) -> None:
         assert self.events is not None
-        report_runs(self.events, parent, hashes, tokens, new, self._salts.of(root))
+        salts = chain_salts(self._salts.of(root), self.block_size)
+        report_runs(self.events, parent, hashes, tokens, new, salts, start)
 
 
 def _same(stored: tuple[int, ...], tokens: tuple[int, ...]) -> bool:

@@ -4,7 +4,9 @@ The block manager calls ``CacheEvents`` (``common.kv_events.BlockEventSink`` pub
 in vLLM's format) as blocks enter and leave its cache. A stretch of a chain whose blocks
 are only partly new is told as runs of new blocks, each chained to the block before it, and
 a chain's first block carries its salt: whoever indexes the events (the router) then tells
-tenants' equal tokens apart, as vLLM's events carry a request's ``cache_salt``.
+tenants' equal tokens apart, as vLLM's events carry a request's ``cache_salt``. A split
+chain's switch block (``common.kv_hash.split_salt``) starts a run carrying the salt mixed
+in there.
 """
 
 from __future__ import annotations
@@ -12,15 +14,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from splitserve.common.kv_hash import BlockHash
+from splitserve.common.kv_hash import BlockHash, ChainSalts
 
 MAX_NAMED_SALTS = 4096  # salts whose root hash can be named (``SaltNames``)
+_UNSALTED = ChainSalts("")
 
 
 class CacheEvents(Protocol):
     """Hears what the prefix cache gains and loses. ``stored``: consecutive blocks of one
     chain, the first chained to ``parent`` (None: a prompt's first block, hashed from the
-    root of ``salt``), with their tokens."""
+    root of ``salt``; else ``salt``, when given, is mixed into the first), with their
+    tokens."""
 
     def stored(
         self,
@@ -58,23 +62,26 @@ def report_runs(
     hashes: list[BlockHash],
     tokens: list[tuple[int, ...]],
     new: set[BlockHash],
-    first_salt: str = "",
+    salts: ChainSalts = _UNSALTED,
+    start: int = 0,
 ) -> None:
-    """Tell ``events`` of the runs of ``new`` blocks in ``hashes`` (a stretch of one chain
-    whose block before is ``parent``), each run chained to the block before it; a run that
-    starts the chain carries ``first_salt``::
+    """Tell ``events`` of the runs of ``new`` blocks in ``hashes`` (blocks ``start, ...`` of
+    one chain, whose block before is ``parent``), each run chained to the block before it.
+    A run that starts the chain carries its first salt; one also starts at a split chain's
+    switch block (``salts.switch``), carrying the salt that enters there::
 
         parent  hashes:  h0  h1  h2  h3        new = {h0, h1, h3}
         stored:         [h0  h1]    [h3]       parents: parent, h2
     """
-    i, end = 0, len(hashes)
+    i, end, switch = 0, len(hashes), salts.switch - start
     while i < end:
         if hashes[i] not in new:
             i += 1
             continue
-        j = i
-        while j < end and hashes[j] in new:
+        j = i + 1
+        while j < end and hashes[j] in new and j != switch:
             j += 1
         before = hashes[i - 1] if i else parent
-        events.stored(hashes[i:j], before, tokens[i:j], first_salt if before is None else "")
+        salt = salts.then if i == switch else salts.first if before is None else ""
+        events.stored(hashes[i:j], before, tokens[i:j], salt)
         i = j

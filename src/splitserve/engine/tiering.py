@@ -285,8 +285,16 @@ class Tiering:
         self.bm.release(copy.block_ids[ok:])
         # The load starts right after its device prefix, which is held: its hash still stands.
         parent = self.bm.blocks[copy.prefix_ids[-1]].hash if copy.prefix_ids else None
+        bs = self.bm.block_size
+        blocks = [tuple(copy.token_ids[i * bs : (i + 1) * bs]) for i in range(ok)]
         self.bm.register(
-            copy.block_ids[:ok], copy.hashes[:ok], copy.token_ids, parent=parent, root=copy.root
+            copy.block_ids[:ok],
+            copy.hashes[:ok],
+            copy.token_ids,
+            start_block=len(copy.prefix_ids),  # where they sit in their chain, for events
+            blocks=blocks,
+            parent=parent,
+            root=copy.root,
         )
         self.bm.release(copy.prefix_ids)
         if ok < len(copy.block_ids) and copy.request_id in self.loading:

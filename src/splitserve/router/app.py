@@ -14,6 +14,7 @@ from starlette.routing import Route
 
 from splitserve.common.access_log import AccessLog
 from splitserve.common.body_limit import BodyLimit
+from splitserve.common.kv_salts import KVSalts
 from splitserve.common.tenants import DEFAULT_TENANT, Tenants
 from splitserve.router import api_schema, upstream
 from splitserve.router.config import RouterConfig
@@ -48,6 +49,7 @@ def create_app(config: RouterConfig) -> Front:
     vouch = Vouch(config.cluster_secret, config.worker_api_key)
     kv_index = KVIndex() if config.kv_events else None
     tokenizer = _tokenizer(config)
+    salts = _salts(tenants, config.cluster_secret, tokenizer)
     access_log = None
     if config.access_log is not None:
         access_log = AccessLog(config.access_log, config.access_log_max_bytes)
@@ -78,6 +80,7 @@ def create_app(config: RouterConfig) -> Front:
             metrics,
             tokenizer,
             vouch,
+            salts,
         )
         checker.start()
         try:
@@ -121,6 +124,14 @@ def _tenants(config: RouterConfig) -> Tenants:
             "to tell the workers whose request each one is"
         )
     return tenants
+
+
+def _salts(tenants: Tenants, secret: bytes, tokenizer: Any) -> KVSalts:
+    """The workers' KV salts; the public prefixes tokenized as the workers do, when the
+    router has the model's tokenizer."""
+    if tokenizer is None:
+        return KVSalts(tenants, secret)
+    return KVSalts(tenants, secret, tokenizer.text_ids, lambda m: tokenizer.chat_ids(m))
 
 
 def _policy(config: RouterConfig, name: str, kv_index: KVIndex | None):

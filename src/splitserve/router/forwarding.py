@@ -37,4 +37,4 @@ class Forwarding:
     excluded: list[str] | None = None  # decode workers tried so far
     timeline: Timeline | None = None
     predicted: tuple[str, int] | None = None  # (decode worker, tokens its KV events showed)
-    tenant: str = DEFAULT_TENANT
+    tenant: str = DEFAULT_TENANT  # the principal its legs are signed for (a tenant or key)

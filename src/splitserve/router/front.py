@@ -17,7 +17,7 @@ import orjson
 
 from splitserve.common.access_log import AccessLog, usage_fields, wall_clock
 from splitserve.common.quotas import Quotas
-from splitserve.common.tenants import Tenant, Tenants
+from splitserve.common.tenants import Key, Tenant, Tenants
 from splitserve.router.admission import Admission, capped
 from splitserve.router.errors import RouterError
 from splitserve.router.metrics import RouterMetrics
@@ -77,11 +77,12 @@ class Endpoint:
         tenant = None
         try:
             headers = _headers(scope)
-            tenant = self.tenants.authenticate(headers.get("authorization", ""))
-            if tenant is None:
+            key = self.tenants.identify(headers.get("authorization", ""))
+            if key is None:
                 raise unauthorized("API key")
+            tenant = key.tenant
             admission = Admission(self.quotas, tenant, self.metrics) if capped(tenant) else None
-            reply = await self._answer(scope, receive, headers, tenant, timeline, admission)
+            reply = await self._answer(scope, receive, headers, key, timeline, admission)
         except RouterError as e:
             await e.response()(scope, receive, send)
             if self.access_log is not None:
@@ -136,16 +137,17 @@ class Endpoint:
         scope: dict,
         receive: Any,
         headers: dict[str, str],
-        tenant: Tenant,
+        key: Key,
         timeline: Timeline,
         admission: Admission | None,
     ) -> Reply:
+        # Workers are told the key's principal: whose KV salt its requests hash with.
         if scope["path"] == MODELS_PATH:
-            return await self.proxy().models(headers, tenant.id, timeline)
+            return await self.proxy().models(headers, key.principal, timeline)
         raw = await _body(receive)
         try:
             return await self.proxy().completion(
-                headers, raw, scope["path"], tenant.id, timeline, admission
+                headers, raw, scope["path"], key.principal, timeline, admission
             )
         except BaseException:
             if admission is not None:

@@ -89,18 +89,21 @@ class WorkerBlocks:
     def stored(self, event: BlockStored) -> bool:
         """Index a stored run; False when its parent (or shape) is unknown."""
         bs, hashes, tokens = event.block_size, event.block_hashes, event.token_ids
+        salt, extra = first_block_salt(event), b""
         if event.parent_block_hash is None:
-            parent = chain_root(first_block_salt(event))
+            parent = chain_root(salt)
         else:
             known = self._ours.get(event.parent_block_hash)
             if known is None:
                 return False
             parent = known[0]
+            if salt:  # a split chain's switch block (``common.kv_hash.split_salt``)
+                extra = chain_root(salt)
         if bs < 1 or len(tokens) != len(hashes) * bs or self.block_size not in (None, bs):
             return False  # skipped blocks (sliding windows) or a second block size
         self.block_size = bs
         for i, theirs in enumerate(hashes):
-            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
+            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs], extra if i == 0 else b"")
             self._store(theirs, parent)
         return True
 

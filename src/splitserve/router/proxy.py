@@ -19,7 +19,8 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from splitserve.common.tenants import DEFAULT_TENANT
+from splitserve.common.kv_salts import KVSalts
+from splitserve.common.tenants import DEFAULT_TENANT, Tenants
 from splitserve.router import disagg
 from splitserve.router.body import forwarded
 from splitserve.router.body import parse as parse_body
@@ -92,9 +93,12 @@ class Proxy:
         metrics: RouterMetrics,
         tokenizer: ChatTokenizer | None = None,
         vouch: Vouch | None = None,
+        salts: KVSalts | None = None,
     ) -> None:
         self.config = config
         self.vouch = vouch or Vouch()
+        # The workers' salts: the principal's, the tenant's public prefixes apart.
+        self.salts = salts or KVSalts(Tenants.open(), self.vouch.secret)
         self.tokenizer = tokenizer  # prompt ids for the policies (the kv-events policy)
         self.membership = membership
         self.policies = {"decode": decode, "prefill": prefill}
@@ -122,13 +126,14 @@ class Proxy:
         client_headers: Mapping[str, str],
         raw: bytes,
         path: str,
-        tenant: str,
+        principal: str,
         timeline: Timeline,
         admission: Admission | None = None,
     ) -> Reply:
-        """``POST /v1/chat/completions`` or ``/v1/completions`` for ``tenant``;
-        ``client_headers`` by lower-case name, ``raw`` the request body; ``admission``
-        counts it in its tenant's in-flight limits once its session is known."""
+        """``POST /v1/chat/completions`` or ``/v1/completions`` for ``principal`` (a tenant,
+        or one key of it: ``common.tenants.Key``); ``client_headers`` by lower-case name,
+        ``raw`` the request body; ``admission`` counts it in its tenant's in-flight limits
+        once its session is known."""
         body = parse_body(raw)
         # Only the router names peers and transfer sources (workers will call them): a
         # client's are dropped, never signed.
@@ -136,11 +141,12 @@ class Proxy:
         for name in client_written:
             del body[name]
         vllm = self.config.worker_engine == "vllm"
-        rewrite = (vllm and salt_for_vllm(body, tenant, self.vouch.secret)) or bool(client_written)
+        rewrite = vllm and salt_for_vllm(body, principal, self.vouch.secret)
+        rewrite = rewrite or bool(client_written)
         timeline.parsed = now()
         headers = self._forward_headers(client_headers)
-        forwarding = self._place(client_headers, body, timeline, tenant)
-        forwarding.tenant = tenant
+        forwarding = self._place(client_headers, body, timeline, principal)
+        forwarding.tenant = principal
         responses = keyed_by_chain(path)
         if responses:  # keyed by its response chain instead (``session.chain_key``)
             self._place_chain(forwarding, body, headers)
@@ -156,7 +162,7 @@ class Proxy:
         # The prefill leg, prefetch and peer hints and resumed streams speak chat and
         # completions only.
         if self.config.prefetch_hints and forwarding.info.session_key is not None and not responses:
-            self.hints.send(decode, body, headers, tenant)
+            self.hints.send(decode, body, headers, principal)
         if self.rules.disaggregate and not responses:
             await self.prefill_leg.run(path, body, headers, forwarding, decision)
         added: dict[str, Any] = {}  # the router's fields in the forwarded body
@@ -206,19 +212,20 @@ class Proxy:
         client_headers: Mapping[str, str],
         body: dict[str, Any],
         timeline: Timeline,
-        tenant: str = DEFAULT_TENANT,
+        principal: str = DEFAULT_TENANT,
     ) -> Forwarding:
         """What the policies may know of the request, and its session's home. Its prompt's
         token ids and KV salt are only for the kv-events index, which the router's
         tokenizer is there for."""
         key = session_key(client_headers, body, self.config.prefix_chars)
         uncached = uncached_from_body(body, self.config.chars_per_token, self.rules.disaggregate)
+        ids = None if self.tokenizer is None else self.tokenizer.request_ids(body)
         info = RequestInfo(
             session_key=None if key is None else key.key,
             prefix_key=prefix_key(body, self.config.prefix_chars),
             prompt_tokens=int(uncached.elsewhere),
-            prompt_token_ids=None if self.tokenizer is None else self.tokenizer.request_ids(body),
-            kv_salt="" if self.tokenizer is None else self._kv_salt(body, tenant),
+            prompt_token_ids=ids,
+            kv_salt="" if self.tokenizer is None else self._kv_salt(body, principal, ids),
         )
         home = None
         if info.session_key is not None:
@@ -226,8 +233,8 @@ class Proxy:
             home = ring.owner(info.session_key)
         return Forwarding(info, home, uncached, timeline=timeline)
 
-    def _kv_salt(self, body: dict[str, Any], tenant: str) -> str:
-        return request_salt(body, tenant, self.vouch.secret, self.config.worker_engine)
+    def _kv_salt(self, body: dict[str, Any], principal: str, ids: list[int] | None) -> str:
+        return request_salt(body, principal, self.salts, self.config.worker_engine, ids)
 
     def _decide(self, forwarding: Forwarding) -> Decision | None:
         """The placement decision (``placement.place``) over the healthy members."""

@@ -97,7 +97,7 @@ def kv_routes(
         ids, cache_salt = await prefetch_ids(request, model)
         if getattr(async_engine.engine, "prefetch", None) is None:
             return {"object": "kv.prefetch", "blocks": 0}
-        salt = auth.salt(request, cache_salt)
+        salt = auth.salt(request, cache_salt, ids)
         blocks = await _engine_answers(async_engine.call(lambda e: e.prefetch(ids, salt)))
         return {"object": "kv.prefetch", "blocks": blocks}
 
@@ -110,7 +110,7 @@ def kv_routes(
                 "this worker does not lend KV to peers (start it with --kv-peer)",
                 code="kv_peer_disabled",
             )
-        return await _engine_answers(kv.peer.lease(ids, auth.salt(request, cache_salt)))
+        return await _engine_answers(kv.peer.lease(ids, auth.salt(request, cache_salt, ids)))
 
     return router
 
@@ -193,7 +193,7 @@ async def kv_transfer(
     _only_signed(req, request)
     peer = _peer_hint(req)
     params = req.kv_transfer_params or {}
-    salt, tenant = request.state.kv_salt, request.state.tenant
+    salt, principal = request.state.kv_salt, request.state.principal
     if params.get("do_remote_decode"):
         if kv.prefill is None:
             raise bad_request(
@@ -210,7 +210,7 @@ async def kv_transfer(
         request.state.kv_blocks_received = imported.blocks  # for the access log
     elif peer is not None and kv.peer is not None:
         # A worker without the feature ignores the hint: it is only ever a shortcut.
-        outcome = await kv.peer.fetch(inp.prompt_token_ids, peer, tenant, req.cache_salt, salt)
+        outcome = await kv.peer.fetch(inp.prompt_token_ids, peer, principal, req.cache_salt, salt)
         request.state.kv_peer_fetch = outcome
     return inp, False
 

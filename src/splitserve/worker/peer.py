@@ -103,15 +103,15 @@ class PeerKV:
         self,
         prompt: list[int],
         peer: str,
-        tenant: str,
+        principal: str,
         cache_salt: str | None = None,
         salt: str = "",
     ) -> str:
         """Pull the prompt's leading KV blocks from ``peer`` where it holds more than this
         worker; returns the outcome (also counted). Never raises for a failed pull. The
-        lease is asked on ``tenant``'s behalf, so the peer salts its hashes as this worker
-        does (``salt``)."""
-        outcome, reason = await self._fetch(prompt, peer, _Owner(tenant, cache_salt, salt))
+        lease is asked on ``principal``'s behalf (a tenant, or one key of it), so the peer
+        salts its hashes as this worker does (``salt``)."""
+        outcome, reason = await self._fetch(prompt, peer, _Owner(principal, cache_salt, salt))
         self.metrics.kv_peer_fetches.labels(outcome).inc()
         if reason is not None:
             self.metrics.kv_peer_fallbacks.labels(reason).inc()
@@ -149,7 +149,7 @@ class PeerKV:
         if owner.cache_salt:
             hint["cache_salt"] = owner.cache_salt
         body = json.dumps(hint).encode()
-        headers = self.auth.signed_headers(owner.tenant, "POST", LEASE_PATH, body)
+        headers = self.auth.signed_headers(owner.principal, "POST", LEASE_PATH, body)
         r = await http.post(peer + LEASE_PATH, content=body, headers=headers)
         r.raise_for_status()
         answer = r.json()
@@ -172,8 +172,8 @@ class PeerKV:
 
 @dataclass(frozen=True, slots=True)
 class _Owner:
-    """Whose KV a fetch moves: the tenant asked for, and the salt of its block hashes."""
+    """Whose KV a fetch moves: the principal asked for, and the salt of its block hashes."""
 
-    tenant: str
+    principal: str
     cache_salt: str | None
     salt: str

@@ -172,7 +172,7 @@ async def _serve(
     owners: KVOwners | None,
 ) -> Response:
     request.state.request_id, request.state.session = turn.id, turn.session
-    salt = request.state.kv_salt = auth.salt(request, None)
+    salt = request.state.kv_salt = auth.salt(request, None, inp.prompt_token_ids)
     ticket = admit(
         request.app.state.quotas,
         auth,

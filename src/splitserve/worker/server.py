@@ -104,7 +104,9 @@ def create_app(
     metrics = WorkerMetrics(lambda: async_engine.load)
     async_engine.on_step = metrics.step
     disagg = disagg or DisaggConfig()
-    auth = WorkerAuth(tenants or Tenants.from_args(api_key, None), disagg.secret)
+    auth = WorkerAuth.for_model(
+        tenants or Tenants.from_args(api_key, None), disagg.secret, model.tokenizer
+    )
     kv = KVSides.build(disagg, engine, async_engine, metrics, auth)
     if getattr(engine, "tiering", None) is not None:
         TierCollector(engine, metrics.registry)
@@ -224,7 +226,7 @@ async def _serve(
     request_id = request.state.request_id = make_id("chatcmpl" if chat else "cmpl")
     request.state.session = session_of(req, request)
     tools = chat and offers_tools(req)  # type: ignore[arg-type]
-    salt = request.state.kv_salt = auth.salt(request, req.cache_salt)
+    salt = request.state.kv_salt = auth.salt(request, req.cache_salt, inp.prompt_token_ids)
     options = retention(req, request, async_engine.engine)
     on_tool_calls = None
     if tools and hasattr(async_engine.engine, "retain_prefix"):
