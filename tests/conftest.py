@@ -11,6 +11,15 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # CPU: the suite's exact comparisons are written for float32, and CI machines differ in their
 # bfloat16 flags. The bfloat16 path is tested by name (tests/models/test_bfloat16.py).
 os.environ["SPLITSERVE_CPU_BF16"] = "0"
+# torch's and numba's OpenMP threads (libgomp) sleep when idle instead of spinning, in this
+# process and every process it starts (set before anything loads libgomp; a value already in
+# the environment wins). The suite shares its 2 cores with the workers it starts and often
+# with other jobs: a spinning thread then holds the core its partner needs, and every parallel
+# region waits a scheduler slice for it. The same greedy decode of 32 tokens on a
+# SmolLM2-sized model at 2 threads, one other busy process on the machine: 6-47 s spinning,
+# 2-3 s sleeping (1.8 s at one thread); tests/entrypoints while another suite ran: 105-143 s
+# spinning, 32-38 s sleeping. Numerics are the same either way; only idle threads change.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 

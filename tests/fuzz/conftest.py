@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import httpx
 import pytest
-from fuzzing import Stack, greedy_answer, stack
+from fuzzing import Stack, stack
 
 # Small, so that an oversize body costs the tests little to send.
 MAX_BODY_MB = 1
@@ -24,11 +25,36 @@ class Target:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=60)
 
 
-@pytest.fixture(scope="session")
+# The stack lives from the first test that asks for it to the end of the run of tests that
+# ask for it in a row (see pytest_runtest_teardown), not to the end of the session: its
+# worker holds ~3 GB that the later directories' workers need. A later test that asks again
+# gets a fresh one.
+_HELD: dict[str, tuple[ExitStack, Stack]] = {}
+
+
+@pytest.fixture
 def fuzz_stack() -> Stack:
-    with stack(max_body_mb=MAX_BODY_MB) as s:
-        s.greedy = greedy_answer(s.worker, s.worker_headers)  # what it answers untouched
-        yield s
+    if "stack" not in _HELD:
+        with ExitStack() as scope:
+            s = scope.enter_context(stack(max_body_mb=MAX_BODY_MB))  # s.greedy: its answer now
+            _HELD["stack"] = (scope.pop_all(), s)
+    return _HELD["stack"][1]
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if "fuzz_stack" in item.fixturenames and (
+        nextitem is None or "fuzz_stack" not in nextitem.fixturenames
+    ):
+        stop_fuzz_stack()
+
+
+def pytest_sessionfinish() -> None:
+    stop_fuzz_stack()  # after an interrupted run too
+
+
+def stop_fuzz_stack() -> None:
+    if "stack" in _HELD:
+        _HELD.pop("stack")[0].close()
 
 
 @pytest.fixture(params=["worker", "router"])
