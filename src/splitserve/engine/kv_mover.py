@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from splitserve.engine.kv_pages import (
+    PagedBytes,
     as_bytes,
     block_nbytes,
     block_shape,
@@ -58,6 +59,10 @@ class KVMover:
         self.on_load = on_load
         self.meta = BlockMeta(dtype_name(kv_cache.dtype), block_shape(kv_cache))
         self.block_nbytes = block_nbytes(kv_cache)
+        # A host cache is copied with numpy: torch would open an OpenMP team on this thread,
+        # and two teams slow every engine step (omp_teams.py).
+        host = kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+        self.pages = PagedBytes.of_cache(kv_cache) if host else None
         self._jobs: queue.PriorityQueue[tuple[int, int, BlockCopy | None]] = queue.PriorityQueue()
         self._order = itertools.count()
         self._done: list[CopyDone] = []
@@ -118,7 +123,10 @@ class KVMover:
                 self._cv.notify_all()
 
     def _save(self, copy: BlockCopy) -> int:
-        rows = as_bytes(gather_blocks(self.kv_cache, copy.block_ids).cpu())
+        if self.pages is not None:
+            rows = self.pages.gather(copy.block_ids)
+        else:
+            rows = as_bytes(gather_blocks(self.kv_cache, copy.block_ids).cpu())
         pairs = zip(copy.hashes, rows, strict=True)
         return sum(self.store.put(h, row, self.meta) for h, row in pairs)
 
@@ -133,7 +141,10 @@ class KVMover:
                 break  # the rest of the prefix is recomputed
             buf[n] = np.frombuffer(block.data, dtype=np.uint8)
             n += 1
-        if n:
+        if n and self.pages is not None:
+            for block, row in zip(copy.block_ids[:n], buf[:n]):
+                self.pages.write_block(block, row)
+        elif n:
             data = torch.from_numpy(buf[:n]).view(self.kv_cache.dtype)
             scatter_blocks(self.kv_cache, copy.block_ids[:n], data.view(n, *self.meta.shape))
         if self.on_load is not None:

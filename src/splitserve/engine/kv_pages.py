@@ -167,6 +167,16 @@ class PagedBytes:
         """Copy ``data`` (``block_nbytes`` contiguous bytes) into block ``block``."""
         self.array[:, block] = data.reshape(self.rows, self.run)
 
+    def gather(self, blocks: Sequence[int]) -> np.ndarray:
+        """Blocks ``blocks`` as a new ``[n, block_nbytes]`` array, each block-major.
+
+        Numpy copies on the calling thread alone, so a helper thread can copy blocks while the
+        engine steps without opening an OpenMP team of its own (``omp_teams.py``)."""
+        out = np.empty((len(blocks), self.rows, self.run), np.uint8)
+        for i, block in enumerate(blocks):
+            out[i] = self.array[:, block]
+        return out.reshape(len(blocks), self.block_nbytes)
+
 
 class KVCacheBlocks:
     """A ``BlockSource`` and ``BlockSink`` over an engine's host ``kv_cache`` tensor.

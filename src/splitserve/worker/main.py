@@ -51,9 +51,11 @@ def run_worker(
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
     from splitserve.common.gc_pauses import quiet_gc
     from splitserve.engine.llm_engine import LLMEngine
+    from splitserve.engine.omp_teams import build_off_thread
     from splitserve.worker.server import create_app
 
-    engine = LLMEngine(engine_config)
+    # The engine thread must hold the process's only OpenMP team (engine/omp_teams.py).
+    engine = build_off_thread(lambda: LLMEngine(engine_config))
     step_log = None
     if step_log_dir is not None:
         from splitserve.engine.step_log import StepLog
