@@ -142,7 +142,7 @@ class KVMover:
             buf[n] = np.frombuffer(block.data, dtype=np.uint8)
             n += 1
         if n and self.pages is not None:
-            for block, row in zip(copy.block_ids[:n], buf[:n]):
+            for block, row in zip(copy.block_ids[:n], buf[:n], strict=True):
                 self.pages.write_block(block, row)
         elif n:
             data = torch.from_numpy(buf[:n]).view(self.kv_cache.dtype)
