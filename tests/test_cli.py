@@ -81,6 +81,14 @@ def test_serve_load_factor_below_one_is_a_clear_error():
     assert "Traceback" not in r.stderr
 
 
+def test_a_worker_on_cores_it_cannot_have_is_a_clear_error():
+    r = run("worker", "--cpus", "4096")
+    assert r.returncode == 2 and "core(s) 4096 are not available here" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = run("worker", "--cpus", "0-x")
+    assert r.returncode == 2 and "--cpus takes core ids" in r.stderr
+
+
 def test_bad_engine_options_are_clear_cli_errors():
     r = run("serve", "--decode", "2", "--max-num-seqs", "0")
     assert r.returncode == 2 and "max_num_seqs must be an integer >= 1" in r.stderr

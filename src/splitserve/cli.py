@@ -21,6 +21,7 @@ from splitserve.cli_vllm import add_engine_choice, run_vllm_worker_from_args, se
 from splitserve.common.access_log import add_access_log_args
 from splitserve.common.access_log import max_bytes as access_log_bytes
 from splitserve.common.body_limit import add_max_body_arg
+from splitserve.common.cpus import bind_to, parse_cpus
 from splitserve.common.kv_events import add_kv_events_args
 from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S as DEFAULT_PEER_TIMEOUT_S
 from splitserve.common.sampling_params import SamplingParams
@@ -115,6 +116,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from splitserve.config import EngineConfig
     from splitserve.worker.main import run_worker
 
+    if args.cpus is not None:
+        cores = parse_cpus(args.cpus)
+        bind_to(cores)  # before the engine's threads start: they inherit it
+        if args.threads is None:
+            args.threads = len(cores)
     disagg = disagg_config(args)
     config = EngineConfig.from_kwargs(
         model=args.model,

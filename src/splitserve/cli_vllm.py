@@ -59,8 +59,8 @@ def add_engine_choice(p: argparse.ArgumentParser, worker: bool) -> None:
             "--cpus",
             default=None,
             metavar="IDS",
-            help="--engine vllm: bind the engine's threads to these cores, e.g. 0 or 0-1 "
-            "(default: --threads cores from 0, else vLLM's own binding)",
+            help="run the worker on these cores, e.g. 0 or 0-1 (default --threads: one per "
+            "core). Default: builtin, every core; vllm, --threads cores from 0, else vLLM's own",
         )
 
 

@@ -66,6 +66,10 @@ def test_serve_gives_each_vllm_worker_cores_of_its_own(monkeypatch):
     assert worker.engine == "vllm" and worker.cpus == "2,3"
     builtin = serve_topology(build_parser().parse_args(["serve", "--decode", "2"]))
     assert builtin.core_args(0) == []
+    argv = ["serve", "--decode", "3", "--threads-per-worker", "2"]
+    builtin = serve_topology(build_parser().parse_args(argv))
+    assert [builtin.core_args(i)[-1] for i in range(3)] == ["0,1", "2,3", "0,1"]
+    assert builtin.core_args(1) == ["--threads", "2", "--cpus", "2,3"]
 
 
 def test_a_pd_worker_gets_the_nixl_connector_its_side_channel_and_tcp(monkeypatch):

@@ -133,7 +133,7 @@ def slot_command(
             env["SPLITSERVE_WORKER_API_KEY"] = env["SPLITSERVE_API_KEY"]
         return router_argv("{host}", "{port}", prefill, decode, args), env
     index = int(slot.name.rsplit("-", 1)[1]) + (t.prefill if slot.role == "decode" else 0)
-    args = [*plan.worker_args, *t.core_args(index), *t.role_args(slot.role)]
+    args = [*plan.worker_args, *t.core_args(index, this_machine=False), *t.role_args(slot.role)]
     args = own_access_log(own_disk_dir(args, slot.name), slot.name)
     if slot.role == "decode" and t.kv_events_tokenizer is not None:
         args += ["--kv-events-endpoint", "tcp://{host}:{events}"]

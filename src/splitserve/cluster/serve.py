@@ -64,17 +64,19 @@ class Topology:
         if not self.kv_peer_timeout_s > 0:
             raise ValueError(f"--kv-peer-timeout must be > 0, got {self.kv_peer_timeout_s}")
 
-    def core_args(self, index: int) -> list[str]:
-        """The thread flags of the ``index``-th worker: a vLLM worker binds to cores of its
-        own (``threads_per_worker`` of them, in turn, wrapping around the machine)."""
+    def core_args(self, index: int, this_machine: bool = True) -> list[str]:
+        """The thread flags of the ``index``-th worker: it runs on cores of its own
+        (``threads_per_worker`` of them, in turn, wrapping around this machine). A builtin
+        worker placed elsewhere (``this_machine=False``: on a Ray node) gets threads, no cores."""
         threads = self.threads_per_worker
         if threads is None:
             return []
-        if self.engine != "vllm":
-            return ["--threads", str(threads)]
         ncpu = os.cpu_count() or 1
         cores = sorted({(index * threads + k) % ncpu for k in range(threads)})
-        return ["--cpus", ",".join(map(str, cores))]
+        binding = ["--cpus", ",".join(map(str, cores))]
+        if self.engine != "vllm":
+            return ["--threads", str(threads), *(binding if this_machine else [])]
+        return binding
 
     def worker_role(self, role: str) -> str:
         """The ``--role`` a worker of pool ``role`` runs with. A vLLM worker's role says

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from splitserve.cluster.affinity import rebind_strays
 from splitserve.cluster.local import POLL_S, StopFlag, die_with_parent, healthy
+from splitserve.common.cpus import parse_cpus
 
 VENV_ENV = "SPLITSERVE_VLLM_VENV"  # a virtualenv with vLLM, instead of the repo's .venv-vllm
 _INSTALL_HINT = "run `make install-vllm`, or pass --vllm-python PATH"
@@ -92,20 +93,6 @@ class VllmWorkerSpec:
             raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
         if self.cpus is not None:
             parse_cpus(self.cpus)
-
-
-def parse_cpus(text: str) -> list[int]:
-    """``"0,2-3"`` -> ``[0, 2, 3]``; a clear ``ValueError`` for anything else."""
-    cpus: list[int] = []
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.strip().partition("-")
-            cpus += range(int(lo), int(hi or lo) + 1)
-    except ValueError:
-        raise ValueError(f"--cpus takes core ids like '0' or '0-1,4', got {text!r}") from None
-    if not cpus or min(cpus) < 0:
-        raise ValueError(f"--cpus takes core ids like '0' or '0-1,4', got {text!r}")
-    return cpus
 
 
 def repo_root() -> Path:

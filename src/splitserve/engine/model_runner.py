@@ -304,10 +304,7 @@ class ModelRunner:
         weight products of steps up to ``SPLIT_GEMV_MAX_TOKENS`` split over ``threads``.
         Restores the process-wide setting afterwards."""
         # On packed weights every step keeps all the threads: oneDNN spreads even a one-row
-        # product over them, and changing torch's thread count around each product costs
-        # most when the engine runs outside the main thread, as in a worker (a bfloat16
-        # batch-1 step: 39 ms toggling, 33-35 ms steady there; 26-28 ms either way in the
-        # main thread).
+        # product over them with the same result at any count.
         small = fused or (num_tokens < SMALL_STEP_TOKENS and not self.packed)
         split = self.split_gemv and not self.packed and num_tokens <= SPLIT_GEMV_MAX_TOKENS
         before = torch.get_num_threads()
