@@ -107,3 +107,37 @@ def test_bf16_batch_gives_each_sequence_its_logits_alone(bf16_pair):
     for one in step[1:]:
         alone = runner.last_logits(StepPlan([one]))
         assert torch.equal(alone[one.request_id], together[one.request_id]), one.request_id
+
+
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576)])
+def test_a_bf16_product_gives_each_row_its_result_alone_at_any_row_count(shape):
+    """oneDNN sums a row of a larger bfloat16 product in another order (on AMX); the pieces of
+    ``packed_linear`` keep every row at its result alone."""
+    from splitserve.models.llama import BATCH_INVARIANT_ROWS, packed_linear, packed_weight
+
+    torch.manual_seed(3)
+    k, n = shape
+    weight = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    packed = packed_weight(weight)
+    x = torch.randn(3 * BATCH_INVARIANT_ROWS + 5, k).to(torch.bfloat16)
+    alone = torch.cat([packed_linear(x[i : i + 1], packed) for i in range(x.shape[0])])
+    for rows in (2, BATCH_INVARIANT_ROWS, BATCH_INVARIANT_ROWS + 1, 70, x.shape[0]):
+        assert torch.equal(packed_linear(x[:rows], packed), alone[:rows]), rows
+
+
+def test_bf16_greedy_tokens_alone_equal_batched_with_the_default_model():
+    """The bundled model in bfloat16, 40 prompts at once (decode steps of more rows than
+    ``BATCH_INVARIANT_ROWS``, prefills split over steps) against each prompt alone."""
+    import random
+
+    from splitserve import LLM, SamplingParams
+
+    llm = LLM(dtype="bfloat16", kv_cache_gb=0.25)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(60, 200))] for _ in range(40)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    batched = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    for i in range(0, 40, 4):
+        llm.engine.block_manager.reset_prefix_cache()
+        alone = list(llm.generate([prompts[i]], params)[0].outputs[0].token_ids)
+        assert alone == batched[i], i

@@ -154,23 +154,36 @@ def _prefill_attention(
     span: PrefillSpan,
     scale: float,
 ) -> torch.Tensor:
+    dtype = q.dtype
+    # bfloat16 on CPU: SDPA's bfloat16 kernels block a query's sums by the span's length (its
+    # products, on AMX, by the row count), so the same token would attend differently in a
+    # chunk after a cache hit than in a whole prompt. In float32, through one masked kernel
+    # for every span, a query's result depends only on its own context.
+    invariant = dtype == torch.bfloat16 and q.device.type == "cpu"
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, h, n, hd]
-    if span.start_pos == 0:
+    if span.start_pos == 0 and not invariant:
         keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(
             qh, keys, values, is_causal=True, scale=scale, enable_gqa=True
         )
         return out.squeeze(0).transpose(0, 1)
-    # Earlier positions are in the cache (and so is this chunk, just written). SDPA's
-    # is_causal aligns the triangle top-left, which is wrong when queries start at
-    # start_pos, so the mask is explicit.
-    n_ctx = span.context_len
-    keys = _gather(k_cache, span.block_table)[:n_ctx].transpose(0, 1).unsqueeze(0)
-    values = _gather(v_cache, span.block_table)[:n_ctx].transpose(0, 1).unsqueeze(0)
+    if span.start_pos == 0:
+        keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        mask = offset_causal_mask(0, q.shape[0], q.device)
+    else:
+        # Earlier positions are in the cache (and so is this chunk, just written). SDPA's
+        # is_causal aligns the triangle top-left, which is wrong when queries start at
+        # start_pos, so the mask is explicit.
+        n_ctx = span.context_len
+        keys = _gather(k_cache, span.block_table)[:n_ctx].transpose(0, 1).unsqueeze(0)
+        values = _gather(v_cache, span.block_table)[:n_ctx].transpose(0, 1).unsqueeze(0)
+        mask = span.causal_mask
+    if invariant:
+        qh, keys, values = qh.float(), keys.float(), values.float()
     out = F.scaled_dot_product_attention(
-        qh, keys, values, attn_mask=span.causal_mask, scale=scale, enable_gqa=True
+        qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
-    return out.squeeze(0).transpose(0, 1)
+    return out.squeeze(0).transpose(0, 1).to(dtype)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -115,11 +115,24 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
 _PACK_ROWS_HINT = 16
 
 
+# oneDNN sums a bfloat16 row of a product with more than this many rows in another order
+# than alone (on AMX, its kernels for larger products block the rows differently), so a
+# row's result would depend on the batch around it. Up to this many rows, every row gets the
+# result it gets alone (tests/models/test_bfloat16.py holds both).
+BATCH_INVARIANT_ROWS = 32
+
+
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for ``x`` ``[rows, in]`` and a ``packed_weight``, on torch's
-    threads (oneDNN spreads even one row over them)."""
+    threads (oneDNN spreads even one row over them). A bfloat16 product runs in pieces of at
+    most ``BATCH_INVARIANT_ROWS`` rows, so that each row's result is the one it gets alone."""
+    if x.dtype == torch.bfloat16 and x.shape[0] > BATCH_INVARIANT_ROWS:
+        pieces = x.split(BATCH_INVARIANT_ROWS)
+        return torch.cat(
+            [torch.ops.mkldnn._linear_pointwise(p, packed, bias, "none", [], "") for p in pieces]
+        )
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
