@@ -11,7 +11,7 @@ Every deployment runs alone on the machine, one after the other, through the sam
   on the same GGUF, every core.
 
 Workloads: random 256 in / 64 out at concurrency 1, 16 and 64 (output tokens/s), and the
-agentic workload of ``make bench-agentic`` at two rates (session goodput). A peer that is
+agentic workload of ``make bench-agentic`` at four rates (session goodput). A peer that is
 not installed, or does not start, is reported with the reason and skipped. The table gives
 each figure and splitserve's ratio to it.
 
@@ -61,6 +61,10 @@ WORKLOADS = (
     Workload("agentic, 0.5 sessions/s", [*AGENTIC, "--rate", "0.5"],
              "session_goodput", "sessions/s in SLO"),
     Workload("agentic, 1.0 sessions/s", [*AGENTIC, "--rate", "1.0"],
+             "session_goodput", "sessions/s in SLO"),
+    Workload("agentic, 2.0 sessions/s", [*AGENTIC, "--rate", "2.0"],
+             "session_goodput", "sessions/s in SLO"),
+    Workload("agentic, 4.0 sessions/s", [*AGENTIC, "--rate", "4.0"],
              "session_goodput", "sessions/s in SLO"),
 )  # fmt: skip
 
