@@ -8,7 +8,7 @@ One Ray head of its own at 127.0.0.2 (`ray start --block`); each deployment is
 tool results of ~48 tokens before the shift and ~`--long-tokens` after it.
 
     .venv/bin/python benchmarks/ray_autoscale.py --workers 2 --rate 0.1 --duration 300
-        [--calibration cal.json]   # `splitserve sim calibrate --threads 1 --out cal.json`
+        [--calibration cal.json --dtype float32]   # `splitserve sim calibrate --out cal.json`
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def main() -> int:
     p.add_argument("--slo", default="ttft:3000,tpot:250")
     p.add_argument("--interval", type=float, default=20.0, help="--autoscale-interval")
     p.add_argument("--calibration", default=None, help="a `sim calibrate` file for the planner")
+    p.add_argument("--dtype", default=None, help="the workers' --dtype (sim calibrate: float32)")
     args = p.parse_args()
     slo = SLO.parse(args.slo)
     short = AgenticConfig(tool_result_tokens=LogNormal(48, 0.3), min_tool_calls=2, max_tool_calls=3)
@@ -106,12 +107,15 @@ def main() -> int:
     runs = [
         (f"fixed {p}:{args.workers - p}", (p, args.workers - p), []) for p in range(args.workers)
     ]
+    if args.dtype is not None:
+        runs = [(name, split, ["--dtype", args.dtype, *extra]) for name, split, extra in runs]
     first = tuple(int(x) for x in args.start.split(":"))
     scale = ["--autoscale", "--autoscale-slo", args.slo, "--autoscale-interval", str(args.interval)]
     scale += ["--autoscale-host-cores", str(os.cpu_count())]
     if args.calibration is not None:
         scale += ["--autoscale-calibration", args.calibration]
-    runs.append((f"autoscaled from {args.start}", first, scale))
+    dtype = [] if args.dtype is None else ["--dtype", args.dtype]
+    runs.append((f"autoscaled from {args.start}", first, [*dtype, *scale]))
     print(f"CPU: {cpu_description()}; {workload.describe()}; {args.rate:g} sessions/s")
     results = {}
     try:
