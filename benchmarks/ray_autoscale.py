@@ -8,7 +8,7 @@ One Ray head of its own at 127.0.0.2 (`ray start --block`); each deployment is
 tool results of ~48 tokens before the shift and ~`--long-tokens` after it.
 
     .venv/bin/python benchmarks/ray_autoscale.py --workers 2 --rate 0.1 --duration 300
-        [--calibration cal.json --dtype float32]   # `splitserve sim calibrate --out cal.json`
+        [--calibration cal.json]   # `splitserve sim calibrate --out cal.json`
 """
 
 from __future__ import annotations
@@ -92,7 +92,11 @@ def main() -> int:
     p.add_argument("--slo", default="ttft:3000,tpot:250")
     p.add_argument("--interval", type=float, default=20.0, help="--autoscale-interval")
     p.add_argument("--calibration", default=None, help="a `sim calibrate` file for the planner")
-    p.add_argument("--dtype", default=None, help="the workers' --dtype (sim calibrate: float32)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="the workers' --dtype (default: serve's, as sim calibrate times)",
+    )
     args = p.parse_args()
     slo = SLO.parse(args.slo)
     short = AgenticConfig(tool_result_tokens=LogNormal(48, 0.3), min_tool_calls=2, max_tool_calls=3)
