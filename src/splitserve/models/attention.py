@@ -161,15 +161,13 @@ def _prefill_attention(
     # for every span, a query's result depends only on its own context.
     invariant = dtype == torch.bfloat16 and q.device.type == "cpu"
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, h, n, hd]
-    if span.start_pos == 0 and not invariant:
-        keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(
-            qh, keys, values, is_causal=True, scale=scale, enable_gqa=True
-        )
-        return out.squeeze(0).transpose(0, 1)
     if span.start_pos == 0:
         keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        mask = offset_causal_mask(0, q.shape[0], q.device)
+        if not invariant:
+            out = F.scaled_dot_product_attention(
+                qh, keys, values, is_causal=True, scale=scale, enable_gqa=True
+            )
+            return out.squeeze(0).transpose(0, 1)
     else:
         # Earlier positions are in the cache (and so is this chunk, just written). SDPA's
         # is_causal aligns the triangle top-left, which is wrong when queries start at
@@ -177,11 +175,10 @@ def _prefill_attention(
         n_ctx = span.context_len
         keys = _gather(k_cache, span.block_table)[:n_ctx].transpose(0, 1).unsqueeze(0)
         values = _gather(v_cache, span.block_table)[:n_ctx].transpose(0, 1).unsqueeze(0)
-        mask = span.causal_mask
     if invariant:
         qh, keys, values = qh.float(), keys.float(), values.float()
     out = F.scaled_dot_product_attention(
-        qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        qh, keys, values, attn_mask=span.causal_mask, scale=scale, enable_gqa=True
     )
     return out.squeeze(0).transpose(0, 1).to(dtype)
 
