@@ -24,6 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from ray_autoscale import stop  # noqa: E402
 from ray_nodes import RayCluster  # noqa: E402
 from ray_scale_up import SPLITSERVE, status  # noqa: E402
 from router_peer import cpu_description  # noqa: E402
@@ -138,11 +139,7 @@ def main() -> int:
         return 0 if s.failed == 0 else 1
     finally:
         if launcher is not None:
-            try:
-                os.killpg(launcher.pid, signal.SIGTERM)
-                launcher.wait(120)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
+            stop(launcher)
         cluster.stop()
 
 

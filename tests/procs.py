@@ -23,6 +23,7 @@ __all__ = [
     "env_for_checkout",
     "die_with_parent",
     "free_port",
+    "last_test_using",
     "metric",
     "start_worker",
     "stop_group",
@@ -49,6 +50,14 @@ def start_worker(
         full_env["SPLITSERVE_KV_SECRET"] = secret
     proc = subprocess.Popen(argv, env=full_env, start_new_session=True, preexec_fn=die_with_parent)
     return f"{'http' if tls is None else 'https'}://127.0.0.1:{port}", proc
+
+
+def last_test_using(fixture: str, item, nextitem) -> bool:
+    """Whether pytest's ``item`` uses ``fixture`` and the test after it (``nextitem``, None at
+    the end) does not: a module-spanning fixture can stop its processes there."""
+    return fixture in item.fixturenames and (
+        nextitem is None or fixture not in nextitem.fixturenames
+    )
 
 
 def wait_healthy(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from fuzzing import Stack, stack
+from procs import last_test_using
 
 # Small, so that an oversize body costs the tests little to send.
 MAX_BODY_MB = 1
@@ -42,9 +43,7 @@ def fuzz_stack() -> Stack:
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    if "fuzz_stack" in item.fixturenames and (
-        nextitem is None or "fuzz_stack" not in nextitem.fixturenames
-    ):
+    if last_test_using("fuzz_stack", item, nextitem):
         stop_fuzz_stack()
 
 

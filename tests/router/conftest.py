@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from procs import last_test_using
 
 from splitserve.cluster.local import die_with_parent, free_port
 from splitserve.router.app import create_app
@@ -236,9 +237,7 @@ def real_workers() -> list[RealWorker]:
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    if "real_workers" in item.fixturenames and (
-        nextitem is None or "real_workers" not in nextitem.fixturenames
-    ):
+    if last_test_using("real_workers", item, nextitem):
         stop_real_workers()
 
 

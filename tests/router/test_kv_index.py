@@ -16,10 +16,9 @@ from splitserve.common.kv_events import (
     salted_extra_keys,
 )
 from splitserve.common.kv_hash import hash_blocks, root_hash, split_salt
-from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.sequence import Sequence
 from splitserve.router.kv_index import ROOT, KVEventSubscriber, KVIndex, chain_root
+from tests.engine.test_block_manager_events import admit
 
 BS = 4
 W1, W2 = "http://w1", "http://w2"
@@ -221,13 +220,7 @@ def test_a_split_chain_is_indexed_as_the_worker_hashed_it():
     def run(salt: str, tokens: list[int], engine: BlockManager, rid: str) -> None:
         root = root_hash("test-model", salt)
         engine.note_salt(root, salt)
-        seq = Sequence(rid, list(tokens), SamplingParams(), root)
-        match = engine.match_prefix(seq)
-        n = seq.num_tokens - match.num_blocks * BS
-        engine.allocate(seq, match)
-        engine.append_slots(seq, n)
-        seq.num_computed_tokens += n
-        engine.cache_full_blocks(seq)
+        admit(engine, tokens, rid, root)
 
     alice = split_salt("public", 9, "alice")  # blocks 0 and 1 are public
     bob = split_salt("public", 9, "bob")
