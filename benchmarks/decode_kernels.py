@@ -5,8 +5,10 @@ Variants (same process, same weights, same sequences):
 - ``plain``: weight products on the plain weights (``F.linear``), decode attention by
   gather + SDPA (the torch path);
 - ``packed``: weight products on the oneDNN-blocked weights (``models.llama.packed_weight``);
-- ``packed+paged``: and decode attention in place over the paged cache
-  (``models.paged_decode``), the engine's default.
+- ``packed+paged-numba``: and decode attention in place over the paged cache by the numba
+  kernel (``models.paged_decode``);
+- ``packed+paged``: the same attention by the C++ kernel where it is built, the engine's
+  default.
 
 Each round prefills ``--seqs`` random prompts of ``--context`` tokens and times ``--steps``
 decode steps of all of them together; rounds alternate between the variants.
@@ -28,9 +30,10 @@ import torch  # noqa: E402
 from router_peer import cpu_description  # noqa: E402
 
 from splitserve import LLM, SamplingParams  # noqa: E402
+from splitserve.models import paged_decode  # noqa: E402
 from splitserve.models.llama import Linear  # noqa: E402
 
-VARIANTS = ("plain", "packed", "packed+paged")
+VARIANTS = ("plain", "packed", "packed+paged-numba", "packed+paged")
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,6 +58,7 @@ class Switch:
         self.packed = [m.packed for m in self.linears]
         self.lm_head = model.lm_head_packed
         self.paged = self.runner.paged_decode
+        self.native_fits = paged_decode.native_fits
 
     def set(self, variant: str) -> None:
         packed = variant != "plain"
@@ -62,7 +66,9 @@ class Switch:
             module.packed = weight if packed else None
         self.runner.model.lm_head_packed = self.lm_head if packed else None
         self.runner.packed = packed
-        self.runner.paged_decode = self.paged and variant == "packed+paged"
+        self.runner.paged_decode = self.paged and variant.startswith("packed+paged")
+        numba_only = variant == "packed+paged-numba"
+        paged_decode.native_fits = (lambda *_: False) if numba_only else self.native_fits
 
 
 def one_round(llm: LLM, prompts: list[list[int]], steps: int) -> float:

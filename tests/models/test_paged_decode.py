@@ -1,4 +1,4 @@
-"""The in-place decode attention kernel against the torch path (gather + SDPA)."""
+"""The in-place decode attention kernels (C++ and numba) against the torch path (gather + SDPA)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from splitserve.models import paged_decode
+from splitserve.models import native, paged_decode
 from splitserve.models.attention import DecodeGroup, _decode_attention
 
-pytestmark = pytest.mark.skipif(paged_decode.numba is None, reason="numba is not importable")
+NATIVE_OFF = native.load("paged_decode")
+KERNELS = [
+    pytest.param(False, marks=pytest.mark.skipif(paged_decode.numba is None, reason="no numba")),
+    pytest.param(True, marks=pytest.mark.skipif(NATIVE_OFF is not None, reason=str(NATIVE_OFF))),
+]
 
 BLOCK, KV_HEADS, HEADS, HEAD_DIM, BLOCKS = 4, 2, 6, 16, 64
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -35,14 +39,16 @@ def tables_for(lens: list[int], seed: int) -> np.ndarray:
 
 
 def torch_path(q, kc, vc, tables: np.ndarray, lens: list[int]) -> torch.Tensor:
-    width = tables.shape[1] * BLOCK
+    block, hd = kc.shape[1], kc.shape[3]
+    width = tables.shape[1] * block
     mask = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
     group = DecodeGroup(0, torch.from_numpy(tables), mask.view(len(lens), 1, 1, width))
-    return _decode_attention(q, kc, vc, group, HEAD_DIM**-0.5)
+    return _decode_attention(q, kc, vc, group, hd**-0.5)
 
 
+@pytest.mark.parametrize("use_native", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_the_torch_path(dtype):
+def test_kernel_matches_the_torch_path(dtype, use_native):
     """Ragged lengths (partial last blocks, one position only), shuffled blocks, GQA."""
     lens = [1, 5, 16, 23, 40]
     kc, vc = caches(dtype, seed=1)
@@ -50,25 +56,26 @@ def test_kernel_matches_the_torch_path(dtype):
     q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(3))
     q = q.to(dtype)
     got = paged_decode.decode_attention(
-        q, kc, vc, tables, np.array(lens, dtype=np.int64), HEAD_DIM**-0.5, threads=2
+        q, kc, vc, tables, np.array(lens, dtype=np.int64), HEAD_DIM**-0.5, 2, use_native
     )
     expected = torch_path(q, kc, vc, tables, lens)
     assert got.dtype == dtype and got.shape == q.shape
     assert (got.float() - expected.float()).abs().max().item() < TOL[dtype]
 
 
+@pytest.mark.parametrize("use_native", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_sequence_gets_the_same_result_alone_in_a_batch_and_on_any_threads(dtype):
+def test_a_sequence_gets_the_same_result_alone_in_a_batch_and_on_any_threads(dtype, use_native):
     lens = [7, 33, 12]
     kc, vc = caches(dtype, seed=4)
     tables = tables_for(lens, seed=5)
     q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(6))
     q = q.to(dtype)
     lens_np = np.array(lens, dtype=np.int64)
-    batch = paged_decode.decode_attention(q, kc, vc, tables, lens_np, 0.25, threads=2)
+    batch = paged_decode.decode_attention(q, kc, vc, tables, lens_np, 0.25, 2, use_native)
     for r in range(len(lens)):
         alone = paged_decode.decode_attention(
-            q[r : r + 1], kc, vc, tables[r : r + 1], lens_np[r : r + 1], 0.25, threads=1
+            q[r : r + 1], kc, vc, tables[r : r + 1], lens_np[r : r + 1], 0.25, 1, use_native
         )
         assert torch.equal(alone[0], batch[r]), r
 
@@ -77,3 +84,53 @@ def test_available_only_for_cpu_caches_it_can_read():
     assert paged_decode.available(torch.zeros(1, dtype=torch.bfloat16))
     assert paged_decode.available(torch.zeros(1, dtype=torch.float32))
     assert not paged_decode.available(torch.zeros(1, dtype=torch.float16))
+
+
+@pytest.mark.skipif(NATIVE_OFF is not None, reason=str(NATIVE_OFF))
+@pytest.mark.parametrize(
+    ("block", "kv_heads", "heads", "head_dim", "lens"),
+    [
+        (16, 3, 9, 64, [1, 15, 16, 17, 100, 296]),  # the default model's shape
+        (32, 2, 16, 128, [31, 33, 64, 200]),  # two spans of 16 in a block, 8 heads a group
+        (8, 4, 4, 32, [3, 8, 9, 50]),  # blocks shorter than a span, no GQA
+        (16, 1, 6, 16, [70]),  # one kv head for all
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_on_other_shapes(block, kv_heads, heads, head_dim, lens, dtype):
+    """Against the torch path, and alone vs batched, on shapes of other architectures."""
+    gen = torch.Generator().manual_seed(7)
+    blocks = sum(-(-n // block) for n in lens) + 3
+    shape = (blocks, block, kv_heads, head_dim)
+    kc = torch.randn(shape, generator=gen).to(dtype)
+    vc = torch.randn(shape, generator=gen).to(dtype)
+    rng = np.random.default_rng(8)
+    ids, width = rng.permutation(blocks), max(-(-n // block) for n in lens)
+    tables, used = np.zeros((len(lens), width), dtype=np.int64), 0
+    for i, n in enumerate(lens):
+        tables[i, : -(-n // block)] = ids[used : used + -(-n // block)]
+        used += -(-n // block)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    lens_np = np.array(lens, dtype=np.int64)
+    assert paged_decode.native_fits(heads, kc)
+    got = paged_decode.decode_attention(q, kc, vc, tables, lens_np, head_dim**-0.5, 2)
+    expected = torch_path(q, kc, vc, tables, lens)
+    assert (got.float() - expected.float()).abs().max().item() < TOL[dtype]
+    for r in range(len(lens)):
+        alone = paged_decode.decode_attention(
+            q[r : r + 1], kc, vc, tables[r : r + 1], lens_np[r : r + 1], head_dim**-0.5, 1
+        )
+        assert torch.equal(alone[0], got[r]), r
+
+
+def test_native_kernel_turns_off_with_a_reason(monkeypatch, tmp_path):
+    """SPLITSERVE_NATIVE=0, or a compiler that fails, leaves a reason and no exception."""
+    monkeypatch.setenv(native.SWITCH_ENV, "0")
+    assert native._load("paged_decode") == f"{native.SWITCH_ENV}=0"
+    monkeypatch.delenv(native.SWITCH_ENV)
+    if "avx512f" not in native.cpu_flags():
+        pytest.skip("the CPU lacks avx512f")
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails at once
+    assert native._load("paged_decode").startswith("building paged_decode.cpp failed")
+    assert not list(tmp_path.iterdir())  # nothing half-built left behind

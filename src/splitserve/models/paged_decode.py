@@ -1,4 +1,5 @@
-"""Decode attention that reads K/V in place from the paged cache, compiled with numba.
+"""Decode attention that reads K/V in place from the paged cache: a C++ kernel with AVX-512
+(``csrc/paged_decode.cpp``, built by ``models.native``) where the CPU has it, numba elsewhere.
 
 The torch path gathers each decode group's pages into a padded ``[n, kvh, S, hd]`` copy and
 runs SDPA with a mask; for one query token per sequence that is mostly copying and per-call
@@ -14,7 +15,9 @@ table and serves the ``g = h / kvh`` query heads that share that kv head::
 bfloat16 rows are widened to float32 by placing their bits in the upper half of a 32-bit
 word (exact); float32 rows are taken as they are. Sums run in float32 in a fixed order that
 depends only on the sequence itself, so a sequence gets the same result alone or in any
-batch, at any thread count.
+batch, at any thread count. The C++ kernel does the same work 16 positions at a time: their
+rows widened once, each query head's 16 dot products summed across lanes by one fixed tree,
+the softmax's exp vectorised; its threads are torch's own (the engine's OpenMP team).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from splitserve.models import native
 from splitserve.models.fused_decode import NUMBA_LOCK
 
 try:
@@ -37,9 +41,33 @@ _FAST = {"reassoc", "contract", "nnan", "ninf", "nsz"}
 _BITS = {torch.bfloat16: (torch.int16, np.uint16, 16), torch.float32: (torch.int32, np.uint32, 0)}
 
 
+# The C++ kernel's shapes: head_dim / 16 in NATIVE_CHUNKS, at most NATIVE_MAX_GROUP query heads
+# per kv head.
+NATIVE_CHUNKS = (1, 2, 4, 6, 8, 16)
+NATIVE_MAX_GROUP = 8
+
+
 def available(cache: torch.Tensor) -> bool:
-    """Whether this kernel can attend over ``cache`` (numba importable, CPU, bf16 or fp32)."""
-    return numba is not None and cache.device.type == "cpu" and cache.dtype in _BITS
+    """Whether a kernel here can attend over ``cache`` (CPU, bf16 or fp32; the C++ kernel
+    built, or numba importable)."""
+    if cache.device.type != "cpu" or cache.dtype not in _BITS:
+        return False
+    return numba is not None or native.load("paged_decode") is None
+
+
+def native_fits(heads: int, k_cache: torch.Tensor) -> bool:
+    """Whether the C++ kernel is built and takes ``heads`` query heads over ``k_cache``."""
+    kvh, hd = k_cache.shape[2], k_cache.shape[3]
+    return (
+        k_cache.device.type == "cpu"
+        and k_cache.dtype in _BITS
+        and k_cache.is_contiguous()
+        and hd % 16 == 0
+        and hd // 16 in NATIVE_CHUNKS
+        and heads % kvh == 0
+        and heads // kvh <= NATIVE_MAX_GROUP
+        and native.load("paged_decode") is None
+    )
 
 
 def decode_attention(
@@ -50,10 +78,14 @@ def decode_attention(
     lens: np.ndarray,
     scale: float,
     threads: int,
+    use_native: bool = True,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[n, h, hd]`` (one token per sequence) over sequence ``r``'s first
     ``lens[r]`` cached positions, whose blocks are ``tables[r]`` (int64 ``[n, w]``). The caches
-    are one layer's ``[num_blocks, B, kvh, hd]``. Returns ``[n, h, hd]`` in ``q``'s dtype."""
+    are one layer's ``[num_blocks, B, kvh, hd]``. Returns ``[n, h, hd]`` in ``q``'s dtype.
+    ``use_native=False`` takes the numba kernel even where the C++ one fits."""
+    if use_native and native_fits(q.shape[1], k_cache):
+        return _native(q, k_cache, v_cache, tables, lens, scale, threads)
     signed, unsigned, shift = _BITS[k_cache.dtype]
     kc = k_cache.view(signed).numpy().view(unsigned)
     vc = v_cache.view(signed).numpy().view(unsigned)
@@ -65,13 +97,34 @@ def decode_attention(
     return torch.from_numpy(out).to(q.dtype)
 
 
+def _native(q, k_cache, v_cache, tables, lens, scale, threads) -> torch.Tensor:
+    before = torch.get_num_threads()
+    if threads != before:
+        torch.set_num_threads(threads)
+    try:
+        out = torch.ops.splitserve.paged_decode(
+            q.float().contiguous(),
+            k_cache,
+            v_cache,
+            torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int64)),
+            torch.from_numpy(np.ascontiguousarray(lens, dtype=np.int64)),
+            scale,
+        )
+    finally:
+        if threads != before:
+            torch.set_num_threads(before)
+    return out.to(q.dtype)
+
+
 def warm_up() -> None:
-    """Compile the kernel for every cache type into numba's on-disk cache (~15 s once), so
-    that no worker pays it on its first decode step."""
+    """Build the C++ kernel (a few seconds) and compile the numba one for every cache type into
+    numba's on-disk cache (~15 s), once, so that no worker pays for it on its first decode step."""
+    native.load("paged_decode")
     for dtype in _BITS:
         cache = torch.zeros(1, 1, 1, 1, dtype=dtype)
         table, length = np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.int64)
-        decode_attention(torch.zeros(1, 1, 1, dtype=dtype), cache, cache, table, length, 1.0, 1)
+        q = torch.zeros(1, 1, 1, dtype=dtype)
+        decode_attention(q, cache, cache, table, length, 1.0, 1, use_native=False)
 
 
 if numba is not None:

@@ -1,0 +1,120 @@
+"""The engine's C++ kernels (``models/csrc``), compiled on first use for this machine's CPU.
+
+Each source is built once with the system's ``g++`` against the installed torch (``-O3
+-march=native``, a few seconds) into ``$XDG_CACHE_HOME/splitserve/kernels`` (or
+``SPLITSERVE_KERNEL_CACHE``), named by a digest of the source, torch's version, the flags and
+the CPU's flags, and loaded with ``torch.ops.load_library``: the ops then appear under
+``torch.ops.splitserve``. Where there is no compiler, no AVX-512, or the build fails, ``load``
+returns the reason and the caller keeps its portable path. ``SPLITSERVE_NATIVE=0`` turns every
+native kernel off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "SPLITSERVE_KERNEL_CACHE"
+SWITCH_ENV = "SPLITSERVE_NATIVE"
+CSRC = Path(__file__).parent / "csrc"
+_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++20")
+# What every kernel here needs of the CPU (/proc/cpuinfo names).
+REQUIRED_CPU_FLAGS = ("avx512f",)
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get(CACHE_ENV, "").strip()
+    if configured:
+        return Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "splitserve" / "kernels"
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.cache
+def load(name: str) -> str | None:
+    """Build (once per machine) and load ``csrc/<name>.cpp``. Returns ``None`` once its ops are
+    registered, else why they are not (logged once)."""
+    reason = _load(name)
+    if reason is not None:
+        log.info("native kernel %s is off: %s", name, reason)
+    return reason
+
+
+def _load(name: str) -> str | None:
+    if os.environ.get(SWITCH_ENV, "1") == "0":
+        return f"{SWITCH_ENV}=0"
+    flags = cpu_flags()
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        return "no C++ compiler (g++ or $CXX) on PATH"
+    source = CSRC / f"{name}.cpp"
+    digest = hashlib.sha256()
+    for part in (source.read_bytes(), torch.__version__.encode(), " ".join(_FLAGS).encode()):
+        digest.update(part)
+    digest.update(" ".join(sorted(flags)).encode())
+    target = cache_dir() / f"{name}-{digest.hexdigest()[:20]}.so"
+    if not target.exists():
+        error = _build(compiler, source, target)
+        if error is not None:
+            return error
+    torch.ops.load_library(str(target))
+    return None
+
+
+def _build(compiler: str, source: Path, target: Path) -> str | None:
+    from torch.utils import cpp_extension
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: workers starting together may each
+    # build, and none loads a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [
+        compiler,
+        *_FLAGS,
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *(f"-I{p}" for p in cpp_extension.include_paths()),
+        str(source),
+        "-o",
+        tmp,
+        f"-L{torch_lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{torch_lib}",
+    ]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        os.unlink(tmp)
+        return f"building {source.name} failed: {e}"
+    if done.returncode != 0:
+        os.unlink(tmp)
+        last = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        return f"building {source.name} failed: {last[0]}"
+    os.replace(tmp, target)
+    return None
