@@ -141,3 +141,30 @@ def test_bf16_greedy_tokens_alone_equal_batched_with_the_default_model():
         llm.engine.block_manager.reset_prefix_cache()
         alone = list(llm.generate([prompts[i]], params)[0].outputs[0].token_ids)
         assert alone == batched[i], i
+
+
+def test_bf16_a_token_gets_its_logits_however_its_prompt_was_prefilled(bf16_pair):
+    """With the C++ attention kernel a token's logits depend only on the tokens before it:
+    the prompt in one chunk, in chunks (as after a prefix-cache hit, or under a token
+    budget), or its last token as a decode row give the same bits."""
+    from splitserve.models import paged_decode
+
+    _, runner = bf16_pair
+    heads = runner.model.config.num_heads
+    if not paged_decode.native_fits(heads, runner.kv_cache[0, 0]):
+        pytest.skip("the C++ attention kernel is not built here")
+    blocks = 100 // BLOCK
+    for seed, size in ((31, 7), (32, 33), (33, 34)):
+        tokens = prompt(99, seed=seed)
+        whole = runner.last_logits(StepPlan([chunk("a", tokens, 0, list(range(blocks)))]))["a"]
+        table = list(range(blocks, 2 * blocks))
+        for start in range(0, len(tokens), size):
+            chunked = runner.last_logits(
+                StepPlan([chunk("b", tokens[start : start + size], start, table)])
+            )["b"]
+        table = list(range(2 * blocks, 3 * blocks))
+        runner.execute(StepPlan([chunk("c", tokens[:-1], 0, table)]))
+        plan = StepPlan([chunk("c", tokens[-1:], len(tokens) - 1, table, 1)])
+        decoded = runner.last_logits(plan)["c"]
+        assert torch.equal(whole, chunked), (seed, size)
+        assert torch.equal(whole, decoded), seed

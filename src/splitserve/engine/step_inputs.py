@@ -128,8 +128,6 @@ class StepInputs:
 
     def _prefill_span(self, c: ScheduledChunk, offset: int, table: np.ndarray) -> PrefillSpan:
         mask = offset_causal_mask(c.start_pos, c.num_tokens, self.device)
-        if c.start_pos == 0:
-            return PrefillSpan(offset, c.num_tokens, 0, causal_mask=mask)
         return PrefillSpan(
             offset, c.num_tokens, c.start_pos, torch.from_numpy(table).to(self.device), mask
         )

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 @dataclass(slots=True)
 class PrefillSpan:
     """One prefill chunk: flat-batch rows ``[offset, offset + num_tokens)`` at positions
-    ``start_pos ..``. ``block_table`` covers ``[0, context_len)`` and is only needed (and only
-    set) when ``start_pos > 0``: a chunk starting at 0 attends to its own k/v alone."""
+    ``start_pos ..``. ``block_table`` covers ``[0, context_len)``: the torch path needs it only
+    when ``start_pos > 0`` (a chunk starting at 0 attends to its own k/v alone), the C++
+    kernel always."""
 
     offset: int
     num_tokens: int
@@ -157,9 +158,17 @@ def _prefill_attention(
     dtype = q.dtype
     # bfloat16 on CPU: SDPA's bfloat16 kernels block a query's sums by the span's length (its
     # products, on AMX, by the row count), so the same token would attend differently in a
-    # chunk after a cache hit than in a whole prompt. In float32, through one masked kernel
-    # for every span, a query's result depends only on its own context.
+    # chunk after a cache hit than in a whole prompt. The C++ kernel gives each query the
+    # bits a decode row at its position gets; without it, float32 through one masked kernel
+    # for every span, whose result for a query depends on the span for a few query counts.
     invariant = dtype == torch.bfloat16 and q.device.type == "cpu"
+    if invariant and span.block_table is not None:
+        from splitserve.models import paged_decode  # imported once a runner asks
+
+        if paged_decode.native_fits(q.shape[1], k_cache):
+            return paged_decode.prefill_attention(
+                q, k_cache, v_cache, span.block_table, span.start_pos, scale
+            )
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, h, n, hd]
     if span.start_pos == 0:
         keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)

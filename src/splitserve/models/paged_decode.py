@@ -116,6 +116,24 @@ def _native(q, k_cache, v_cache, tables, lens, scale, threads) -> torch.Tensor:
     return out.to(q.dtype)
 
 
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    start: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a prefill chunk's queries ``q`` ``[n, h, hd]`` at positions ``start ..``
+    of one sequence whose blocks are ``table`` (int64 ``[w]``), its own K/V already in the
+    caches; the C++ kernel only (check ``native_fits``). Each query gets the bits a decode
+    row at its position gets from ``decode_attention``."""
+    out = torch.ops.splitserve.paged_prefill(
+        q.float().contiguous(), k_cache, v_cache, table.contiguous(), start, scale
+    )
+    return out.to(q.dtype)
+
+
 def warm_up() -> None:
     """Build the C++ kernel (a few seconds) and compile the numba one for every cache type into
     numba's on-disk cache (~15 s), once, so that no worker pays for it on its first decode step."""

@@ -1,15 +1,19 @@
-// Decode attention over the paged KV cache, in place, with AVX-512 (see models/paged_decode.py).
+// Attention over the paged KV cache, in place, with AVX-512 (see models/paged_decode.py):
+// decode rows (one query per sequence) and prefill chunks (many queries of one sequence).
 //
-// One work item per (sequence, kv head), spread over torch's own intra-op threads
-// (at::parallel_for), so the op runs on the engine thread's OpenMP team and starts no threads
-// of its own. An item serves the g query heads that share its kv head:
+// Both run one routine, `attend`, on a run of queries of one sequence that share a kv head:
+// query q sees positions [0, first + q). For each query head j that shares the kv head:
 //
 //   scores[j, p] = (q[j] * scale) . k_p          one fused-multiply-add chain per 16 lanes
 //   w[j, p]      = exp(scores[j, p] - max_j)      16 positions at a time
 //   out[j]       = (sum_p w[j, p] v_p) / sum_p w[j, p]
 //
-// Every sum runs in an order fixed by the sequence's own length, never by the batch, the
-// thread count or a buffer's address, so a sequence gets the same bits alone or batched.
+// Every sum runs in an order fixed by the query's own position: never by the batch, the
+// chunk it came in, the thread count or a buffer's address. So a token gets the same bits
+// as a decode row or anywhere in a prefill chunk, alone or batched. A run's queries share
+// each widened K/V row, so a prefill chunk reads and widens its context once per 16 queries.
+// Work items go over torch's own intra-op threads (at::parallel_for): the op runs on the
+// engine thread's OpenMP team and starts no threads of its own.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,6 +29,8 @@
 namespace {
 
 constexpr int kLanes = 16;
+constexpr int64_t kMaxGroup = 8;   // query heads per kv head
+constexpr int64_t kQueryRun = 16;  // prefill queries per work item
 
 // exp(x) for x <= 0: 2^n * e^r with n = round(x / ln 2) and a degree-6 polynomial in r.
 inline __m512 exp_nonpositive(__m512 x) {
@@ -82,22 +88,27 @@ inline __m512 sum_lanes16(__m512 v[16]) {
   return _mm512_permutexvar_ps(order, f);
 }
 
-inline __mmask16 first(int64_t count) {
+inline __mmask16 first_lanes(int64_t count) {
   return count >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
 }
 
-// One (sequence, kv head), with NC = head_dim / 16: q points at the group's g query rows, out
-// at its g output rows. The sequence's positions go 16 at a time (fewer at a block's end):
-// their rows are widened once into `rows`, then each query head takes them from there.
+// A run of `nq` queries of one sequence on one kv head, with NC = head_dim / 16. Query q
+// (rows q * qstride of `q` and `out`, its g heads contiguous) sees positions
+// [0, first + q). `scores` has room for nq * g * round16(first + nq - 1) floats.
 template <typename T, int NC>
-void attend_item(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t length,
-                 int64_t kv_head, float scale, const Layout& lay, float* scores, float* out) {
+void attend(const float* q, int64_t qstride, int64_t nq, int64_t first, const T* kc, const T* vc,
+            const int64_t* table, int64_t kv_head, float scale, const Layout& lay, float* scores,
+            float* out) {
   constexpr int64_t hd = NC * kLanes;
-  const int64_t g = lay.group, bs = lay.block_size, stride = (length + kLanes - 1) / kLanes * kLanes;
+  const int64_t g = lay.group, bs = lay.block_size, longest = first + nq - 1;
+  const int64_t stride = (longest + kLanes - 1) / kLanes * kLanes;
   alignas(64) float rows[kLanes * hd];
-  alignas(64) float qs[8 * hd];
-  alignas(64) float acc[8 * hd];
-  for (int64_t i = 0; i < g * hd; ++i) qs[i] = q[i] * scale;
+  alignas(64) float qs[kQueryRun * kMaxGroup * hd];
+  alignas(64) float acc[kQueryRun * kMaxGroup * hd];
+  for (int64_t r = 0; r < nq; ++r)
+    for (int64_t i = 0; i < g * hd; ++i) qs[r * g * hd + i] = q[r * qstride + i] * scale;
+  auto length = [&](int64_t r) { return first + r; };
+  auto sc = [&](int64_t r, int64_t j) { return scores + (r * g + j) * stride; };
 
   // Widen positions [p, p + count) of `cache` into rows (count <= 16).
   auto widen = [&](const T* cache, int64_t p, int64_t count) {
@@ -107,133 +118,203 @@ void attend_item(const float* q, const T* kc, const T* vc, const int64_t* table,
       for (int c = 0; c < NC; ++c) _mm512_store_ps(rows + i * hd + c * kLanes, load16(row + c * kLanes));
     }
   };
-  // Spans of at most 16 positions that never cross a block.
-  auto span = [&](int64_t p) { return std::min({(int64_t)kLanes, length - p, bs - p % bs}); };
+  // Spans of at most 16 positions that never cross a block; for a shorter query the same
+  // spans, its last one cut at its length.
+  auto span = [&](int64_t p) { return std::min({(int64_t)kLanes, longest - p, bs - p % bs}); };
 
-  for (int64_t p = 0; p < length; p += span(p)) {
-    const int64_t count = span(p);
-    widen(kc, p, count);
-    for (int64_t j = 0; j < g; ++j) {
-      __m512 qv[NC], dots[kLanes];
-      for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_ps(qs + j * hd + c * kLanes);
-      for (int64_t i = 0; i < kLanes; ++i) {
-        if (i >= count) {
-          dots[i] = _mm512_setzero_ps();
-          continue;
+  for (int64_t p = 0; p < longest; p += span(p)) {
+    widen(kc, p, span(p));
+    for (int64_t r = std::max<int64_t>(0, p - first + 1); r < nq; ++r) {
+      const int64_t count = std::min(span(p), length(r) - p);
+      for (int64_t j = 0; j < g; ++j) {
+        __m512 qv[NC], dots[kLanes];
+        for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_ps(qs + (r * g + j) * hd + c * kLanes);
+        for (int64_t i = 0; i < count; ++i) {
+          __m512 d = _mm512_mul_ps(qv[0], _mm512_load_ps(rows + i * hd));
+          for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(qv[c], _mm512_load_ps(rows + i * hd + c * kLanes), d);
+          dots[i] = d;
         }
-        __m512 d = _mm512_mul_ps(qv[0], _mm512_load_ps(rows + i * hd));
-        for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(qv[c], _mm512_load_ps(rows + i * hd + c * kLanes), d);
-        dots[i] = d;
+        for (int64_t i = count; i < kLanes; ++i) dots[i] = _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(sc(r, j) + p, first_lanes(count), sum_lanes16(dots));
       }
-      _mm512_mask_storeu_ps(scores + j * stride + p, first(count), sum_lanes16(dots));
     }
   }
 
   // Softmax weights, unnormalised; each head's total.
-  float totals[8];
-  for (int64_t j = 0; j < g; ++j) {
-    float* s = scores + j * stride;
-    __m512 best = _mm512_set1_ps(-__builtin_inff());
-    for (int64_t p = 0; p < length; p += kLanes)
-      best = _mm512_mask_max_ps(best, first(length - p), best, _mm512_loadu_ps(s + p));
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t p = 0; p < length; p += kLanes) {
-      const __mmask16 m = first(length - p);
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + p), top));
-      _mm512_mask_storeu_ps(s + p, m, e);
-      total = _mm512_mask_add_ps(total, m, total, e);
+  float totals[kQueryRun * kMaxGroup];
+  for (int64_t r = 0; r < nq; ++r) {
+    const int64_t len = length(r);
+    for (int64_t j = 0; j < g; ++j) {
+      float* s = sc(r, j);
+      __m512 best = _mm512_set1_ps(-__builtin_inff());
+      for (int64_t p = 0; p < len; p += kLanes)
+        best = _mm512_mask_max_ps(best, first_lanes(len - p), best, _mm512_loadu_ps(s + p));
+      const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t p = 0; p < len; p += kLanes) {
+        const __mmask16 m = first_lanes(len - p);
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + p), top));
+        _mm512_mask_storeu_ps(s + p, m, e);
+        total = _mm512_mask_add_ps(total, m, total, e);
+      }
+      totals[r * g + j] = _mm512_reduce_add_ps(total);
     }
-    totals[j] = _mm512_reduce_add_ps(total);
   }
 
   // Weighted values: each head's sums stay in registers over a span of positions.
-  for (int64_t i = 0; i < g * hd; ++i) acc[i] = 0.0f;
-  for (int64_t p = 0; p < length; p += span(p)) {
-    const int64_t count = span(p);
-    widen(vc, p, count);
-    for (int64_t j = 0; j < g; ++j) {
-      __m512 a[NC];
-      for (int c = 0; c < NC; ++c) a[c] = _mm512_load_ps(acc + j * hd + c * kLanes);
-      const float* w = scores + j * stride + p;
-      for (int64_t i = 0; i < count; ++i) {
-        const __m512 wi = _mm512_set1_ps(w[i]);
-        for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(wi, _mm512_load_ps(rows + i * hd + c * kLanes), a[c]);
+  for (int64_t i = 0; i < nq * g * hd; ++i) acc[i] = 0.0f;
+  for (int64_t p = 0; p < longest; p += span(p)) {
+    widen(vc, p, span(p));
+    for (int64_t r = std::max<int64_t>(0, p - first + 1); r < nq; ++r) {
+      const int64_t count = std::min(span(p), length(r) - p);
+      for (int64_t j = 0; j < g; ++j) {
+        float* a_row = acc + (r * g + j) * hd;
+        __m512 a[NC];
+        for (int c = 0; c < NC; ++c) a[c] = _mm512_load_ps(a_row + c * kLanes);
+        const float* w = sc(r, j) + p;
+        // Even and odd positions in two chains (one fused multiply-add waits for the last),
+        // joined at the span's end.
+        __m512 b[NC];
+        for (int c = 0; c < NC; ++c) b[c] = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 1 < count; i += 2) {
+          const __m512 wi = _mm512_set1_ps(w[i]), wn = _mm512_set1_ps(w[i + 1]);
+          for (int c = 0; c < NC; ++c) {
+            a[c] = _mm512_fmadd_ps(wi, _mm512_load_ps(rows + i * hd + c * kLanes), a[c]);
+            b[c] = _mm512_fmadd_ps(wn, _mm512_load_ps(rows + (i + 1) * hd + c * kLanes), b[c]);
+          }
+        }
+        if (i < count) {
+          const __m512 wi = _mm512_set1_ps(w[i]);
+          for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(wi, _mm512_load_ps(rows + i * hd + c * kLanes), a[c]);
+        }
+        for (int c = 0; c < NC; ++c) _mm512_store_ps(a_row + c * kLanes, _mm512_add_ps(a[c], b[c]));
       }
-      for (int c = 0; c < NC; ++c) _mm512_store_ps(acc + j * hd + c * kLanes, a[c]);
     }
   }
-  for (int64_t j = 0; j < g; ++j) {
-    const __m512 inv = _mm512_set1_ps(1.0f / totals[j]);
-    for (int c = 0; c < NC; ++c)
-      _mm512_storeu_ps(out + j * hd + c * kLanes, _mm512_mul_ps(_mm512_load_ps(acc + j * hd + c * kLanes), inv));
-  }
+  for (int64_t r = 0; r < nq; ++r)
+    for (int64_t j = 0; j < g; ++j) {
+      const __m512 inv = _mm512_set1_ps(1.0f / totals[r * g + j]);
+      const float* a_row = acc + (r * g + j) * hd;
+      for (int c = 0; c < NC; ++c)
+        _mm512_storeu_ps(out + r * qstride + j * hd + c * kLanes, _mm512_mul_ps(_mm512_load_ps(a_row + c * kLanes), inv));
+    }
 }
 
 template <typename T>
-using ItemFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, float,
-                        const Layout&, float*, float*);
+using AttendFn = void (*)(const float*, int64_t, int64_t, int64_t, const T*, const T*, const int64_t*,
+                          int64_t, float, const Layout&, float*, float*);
 
 template <typename T>
-ItemFn<T> item_fn(int64_t head_dim) {
+AttendFn<T> attend_fn(int64_t head_dim) {
   switch (head_dim / kLanes) {
-    case 1: return attend_item<T, 1>;
-    case 2: return attend_item<T, 2>;
-    case 4: return attend_item<T, 4>;
-    case 6: return attend_item<T, 6>;
-    case 8: return attend_item<T, 8>;
-    case 16: return attend_item<T, 16>;
+    case 1: return attend<T, 1>;
+    case 2: return attend<T, 2>;
+    case 4: return attend<T, 4>;
+    case 6: return attend<T, 6>;
+    case 8: return attend<T, 8>;
+    case 16: return attend<T, 16>;
     default: return nullptr;
   }
 }
 
-template <typename T>
-void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                const at::Tensor& tables, const at::Tensor& lens, double scale, at::Tensor& out) {
-  const int64_t n = q.size(0), h = q.size(1), hd = q.size(2), kvh = k_cache.size(2);
-  const Layout lay{k_cache.size(1), k_cache.stride(0), k_cache.stride(1), hd, h / kvh};
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const T* kc = static_cast<const T*>(k_cache.data_ptr());
-  const T* vc = static_cast<const T*>(v_cache.data_ptr());
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t width = tables.size(1);
-  const ItemFn<T> attend_item_t = item_fn<T>(hd);
-  at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kvh, kh = item % kvh, length = lp[r];
-      scores.resize(static_cast<size_t>(lay.group * ((length + kLanes - 1) / kLanes * kLanes)));
-      const int64_t row = (r * h + kh * lay.group) * hd;
-      attend_item_t(qp + row, kc, vc, tp + r * width, length, kh, static_cast<float>(scale), lay,
-                     scores.data(), op + row);
-    }
-  });
-}
+struct Caches {
+  const void* k;
+  const void* v;
+  Layout lay;
+};
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& tables, const at::Tensor& lens, double scale) {
+Caches check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(),
               "q: contiguous float32 [n, h, hd]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "caches: two contiguous [blocks, block_size, kv_heads, head_dim] of one type");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kFloat,
+              "caches: bfloat16 or float32");
   const int64_t hd = q.size(2), kvh = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == hd && item_fn<float>(hd) != nullptr,
+  TORCH_CHECK(k_cache.size(3) == hd && attend_fn<float>(hd) != nullptr,
               "head_dim: 16, 32, 64, 96, 128 or 256");
-  TORCH_CHECK(q.size(1) % kvh == 0 && q.size(1) / kvh <= 8, "at most 8 query heads per kv head");
+  TORCH_CHECK(q.size(1) % kvh == 0 && q.size(1) / kvh <= kMaxGroup, "at most 8 query heads per kv head");
+  return {k_cache.data_ptr(), v_cache.data_ptr(),
+          Layout{k_cache.size(1), k_cache.stride(0), k_cache.stride(1), hd, q.size(1) / kvh}};
+}
+
+template <typename T>
+void decode_rows(const at::Tensor& q, const Caches& c, int64_t kvh, const int64_t* tables,
+                 int64_t width, const int64_t* lens, float scale, at::Tensor& out) {
+  const int64_t n = q.size(0), h = q.size(1), hd = q.size(2), g = c.lay.group;
+  const AttendFn<T> fn = attend_fn<T>(hd);
+  at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / kvh, kh = item % kvh, length = lens[r];
+      scores.resize(static_cast<size_t>(g * ((length + kLanes - 1) / kLanes * kLanes)));
+      const int64_t row = (r * h + kh * g) * hd;
+      fn(q.data_ptr<float>() + row, h * hd, 1, length, static_cast<const T*>(c.k),
+         static_cast<const T*>(c.v), tables + r * width, kh, scale, c.lay, scores.data(),
+         out.data_ptr<float>() + row);
+    }
+  });
+}
+
+template <typename T>
+void prefill_rows(const at::Tensor& q, const Caches& c, int64_t kvh, const int64_t* table,
+                  int64_t start, float scale, at::Tensor& out) {
+  const int64_t n = q.size(0), h = q.size(1), hd = q.size(2), g = c.lay.group;
+  const int64_t runs = (n + kQueryRun - 1) / kQueryRun;
+  const AttendFn<T> fn = attend_fn<T>(hd);
+  // Later runs see more positions: runs are dealt from both ends, so that the contiguous
+  // ranges at::parallel_for hands each thread carry similar work.
+  at::parallel_for(0, runs * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kh = item % kvh, k = item / kvh;
+      const int64_t run = k % 2 == 0 ? k / 2 : runs - 1 - k / 2;
+      const int64_t q0 = run * kQueryRun, nq = std::min(kQueryRun, n - q0);
+      const int64_t longest = start + q0 + nq;
+      scores.resize(static_cast<size_t>(nq * g * ((longest + kLanes - 1) / kLanes * kLanes)));
+      const int64_t row = (q0 * h + kh * g) * hd;
+      fn(q.data_ptr<float>() + row, h * hd, nq, start + q0 + 1, static_cast<const T*>(c.k),
+         static_cast<const T*>(c.v), table, kh, scale, c.lay, scores.data(), out.data_ptr<float>() + row);
+    }
+  });
+}
+
+// Decode rows: q [n, h, hd] float32, row r one query at position lens[r] - 1 of the sequence
+// whose blocks are tables[r] (int64 [n, w]).
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& tables, const at::Tensor& lens, double scale) {
+  const Caches c = check_caches(q, k_cache, v_cache);
   TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.dim() == 2 &&
                   lens.scalar_type() == at::kLong && lens.is_contiguous() &&
                   tables.size(0) == q.size(0) && lens.size(0) == q.size(0),
               "tables [n, w] and lens [n]: contiguous int64");
   at::Tensor out = at::empty_like(q);
+  const int64_t kvh = k_cache.size(2);
   if (k_cache.scalar_type() == at::kBFloat16)
-    attend_all<uint16_t>(q, k_cache, v_cache, tables, lens, scale, out);
-  else if (k_cache.scalar_type() == at::kFloat)
-    attend_all<float>(q, k_cache, v_cache, tables, lens, scale, out);
+    decode_rows<uint16_t>(q, c, kvh, tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(),
+                          static_cast<float>(scale), out);
   else
-    TORCH_CHECK(false, "caches: bfloat16 or float32");
+    decode_rows<float>(q, c, kvh, tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(),
+                       static_cast<float>(scale), out);
+  return out;
+}
+
+// A prefill chunk: q [n, h, hd] float32, row i the query at position start + i of the
+// sequence whose blocks are table (int64 [w]); the chunk's own K/V are in the cache already.
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& table, int64_t start, double scale) {
+  const Caches c = check_caches(q, k_cache, v_cache);
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.is_contiguous() && table.dim() == 1 &&
+                  table.size(0) * k_cache.size(1) >= start + q.size(0) && start >= 0,
+              "table: contiguous int64 [w] covering the chunk");
+  at::Tensor out = at::empty_like(q);
+  const int64_t kvh = k_cache.size(2);
+  if (k_cache.scalar_type() == at::kBFloat16)
+    prefill_rows<uint16_t>(q, c, kvh, table.data_ptr<int64_t>(), start, static_cast<float>(scale), out);
+  else
+    prefill_rows<float>(q, c, kvh, table.data_ptr<int64_t>(), start, static_cast<float>(scale), out);
   return out;
 }
 
@@ -241,8 +322,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 TORCH_LIBRARY(splitserve, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, float scale) -> Tensor");
+  m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, int start, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitserve, CPU, m) {
   m.impl("paged_decode", &paged_decode);
+  m.impl("paged_prefill", &paged_prefill);
 }
