@@ -168,3 +168,31 @@ def test_bf16_a_token_gets_its_logits_however_its_prompt_was_prefilled(bf16_pair
         decoded = runner.last_logits(plan)["c"]
         assert torch.equal(whole, chunked), (seed, size)
         assert torch.equal(whole, decoded), seed
+
+
+def test_bf16_second_turn_equals_a_fresh_prefill_with_the_default_model():
+    """An agent's second turn reuses the first turn's cached blocks, generated tokens
+    included (their KV computed by decode steps); its greedy tokens equal those of the same
+    prompt prefilled from scratch."""
+    import random
+
+    from splitserve import LLM, SamplingParams
+    from splitserve.models import paged_decode
+
+    llm = LLM(dtype="bfloat16", kv_cache_gb=0.25)
+    runner = llm.engine.runner
+    if not paged_decode.native_fits(runner.config.num_heads, runner.kv_cache[0, 0]):
+        pytest.skip("the C++ attention kernel is not built here")
+    rng = random.Random(2)
+    first = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    second = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for i in range(12):
+        llm.engine.block_manager.reset_prefix_cache()
+        prompt = [rng.randrange(100, 40000) for _ in range(rng.randint(40, 160))]
+        answer = list(llm.generate([prompt], first)[0].outputs[0].token_ids)
+        turn = prompt + answer + [rng.randrange(100, 40000) for _ in range(rng.randint(2, 30))]
+        reused = llm.generate([turn], second)[0]
+        assert reused.num_cached_tokens > len(prompt), i
+        llm.engine.block_manager.reset_prefix_cache()
+        fresh = llm.generate([turn], second)[0]
+        assert list(reused.outputs[0].token_ids) == list(fresh.outputs[0].token_ids), i
