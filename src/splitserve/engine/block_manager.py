@@ -29,12 +29,6 @@ class PrefixMatch:
     block_ids: list[int]
     hashes: list[BlockHash]
 
-    # Made at every admission attempt: mypyc compiles a hand-written ``__init__`` (and this
-    # class's property), not a NamedTuple's or ``@dataclass``'s generated methods.
-    def __init__(self, block_ids: list[int], hashes: list[BlockHash]) -> None:
-        self.block_ids = block_ids
-        self.hashes = hashes
-
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)

@@ -28,26 +28,6 @@ class ScheduledChunk:
     params: SamplingParams
     num_output_tokens: int = 0  # tokens generated so far; indexes a seeded request's RNG stream
 
-    # The simulator makes these at every step: mypyc compiles a hand-written ``__init__``,
-    # not the one ``@dataclass`` generates (``docs/journal/2026-12-01.md``).
-    def __init__(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        start_pos: int,
-        block_table: list[int],
-        sample: bool,
-        params: SamplingParams,
-        num_output_tokens: int = 0,
-    ) -> None:
-        self.request_id = request_id
-        self.token_ids = token_ids
-        self.start_pos = start_pos
-        self.block_table = block_table
-        self.sample = sample
-        self.params = params
-        self.num_output_tokens = num_output_tokens
-
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
@@ -60,9 +40,6 @@ class ScheduledChunk:
 @dataclass(slots=True)
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-
-    def __init__(self, chunks: list[ScheduledChunk] | None = None) -> None:
-        self.chunks = [] if chunks is None else chunks
 
     @property
     def num_tokens(self) -> int:
@@ -87,11 +64,3 @@ class StepResult:
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-
-    def __init__(
-        self,
-        sampled: dict[str, int] | None = None,
-        logprobs: dict[str, TokenLogprobs] | None = None,
-    ) -> None:
-        self.sampled = {} if sampled is None else sampled
-        self.logprobs = {} if logprobs is None else logprobs

@@ -46,12 +46,6 @@ class SequenceUpdate:
     new_token: int | None  # None when the step only advanced the prefill
     finished: bool
 
-    # One per chunk: a hand-written ``__init__``, as ``PrefixMatch``'s.
-    def __init__(self, seq: Sequence, new_token: int | None, finished: bool) -> None:
-        self.seq = seq
-        self.new_token = new_token
-        self.finished = finished
-
 
 class Scheduler:
     def __init__(

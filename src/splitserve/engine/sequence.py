@@ -49,51 +49,9 @@ class Sequence:
     # may pass a chain it already has (a session's previous turn), see ``BlockChain``.
     chain: BlockChain | None = None
 
-    # The simulator makes two or three per request: mypyc compiles a hand-written
-    # ``__init__``, not the one ``@dataclass`` generates (``docs/journal/2026-12-01.md``).
-    def __init__(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        root_hash: BlockHash,
-        eos_token_ids: tuple[int, ...] = (),
-        arrival_time: float = 0.0,
-        num_prompt_tokens: int = 0,
-        num_computed_tokens: int = 0,
-        num_cached_tokens: int = 0,
-        block_table: list[int] | None = None,
-        block_hashes: list[BlockHash] | None = None,
-        status: SequenceStatus = SequenceStatus.WAITING,
-        finish_reason: str | None = None,
-        num_preemptions: int = 0,
-        keep_blocks: bool = False,
-        retention_s: float | None = None,
-        session_id: str | None = None,
-        tier_checked: bool = False,
-        num_overtaken: int = 0,
-        chain: BlockChain | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.token_ids = token_ids
-        self.params = params
-        self.root_hash = root_hash
-        self.eos_token_ids = eos_token_ids
-        self.arrival_time = arrival_time
-        self.num_prompt_tokens = num_prompt_tokens or len(token_ids)
-        self.num_computed_tokens = num_computed_tokens
-        self.num_cached_tokens = num_cached_tokens
-        self.block_table = [] if block_table is None else block_table
-        self.block_hashes = [] if block_hashes is None else block_hashes
-        self.status = status
-        self.finish_reason = finish_reason
-        self.num_preemptions = num_preemptions
-        self.keep_blocks = keep_blocks
-        self.retention_s = retention_s
-        self.session_id = session_id
-        self.tier_checked = tier_checked
-        self.num_overtaken = num_overtaken
-        self.chain = chain
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
 
     @property
     def num_tokens(self) -> int:

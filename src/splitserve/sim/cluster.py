@@ -23,7 +23,7 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
-from splitserve.common.kv_hash import BlockChain, BlockHash, root_hash
+from splitserve.common.kv_hash import BlockChain, BlockHash, block_hash, root_hash
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerConfig
 from splitserve.engine.sequence import Sequence
@@ -203,9 +203,10 @@ class Cluster(Stepping):
             if not spec.tenant:  # hashed ahead from the default tenant's root
                 chain.ahead = ahead
         self._chains[spec.session_id] = chain
-        # The first message's first 128 tokens, hashed once per session (not per turn).
+        # The first message's first 128 tokens, hashed once per session (not per turn). The
+        # router digests the text (``router.session``); the simulator has only token ids.
         shared = spec.turns[0].segments[0].token_ids[:128]
-        self._prefix_keys[spec.session_id] = f"shared:{hash(shared)}"
+        self._prefix_keys[spec.session_id] = f"shared:{block_hash(b'', shared).hex()}"
         self._send(spec, 0)
 
     def _opening(self, spec: SessionSpec) -> BlockChain | None:
@@ -243,7 +244,7 @@ class Cluster(Stepping):
         append_prompt(context, turn.segments, self._chat(spec))
         rid = f"{spec.session_id}#{k}"
         self.outputs[rid] = turn.output_ids
-        key = spec.session_id if spec.sticky else f"prefix:{hash(tuple(context[:128]))}"
+        key = spec.session_id if spec.sticky else f"prefix:{block_hash(b'', context[:128]).hex()}"
         info = RequestInfo(key, self._prefix_keys[spec.session_id], len(context))
         record = RequestRecord(spec.session_id, k, self.now, prompt_tokens=len(context))
         chain = self._chains[spec.session_id]

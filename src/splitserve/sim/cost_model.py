@@ -41,24 +41,14 @@ ACTIVATION_BYTES = 2  # all-reduce payloads travel in 16-bit
 
 @dataclass(slots=True)
 class StepShape:
-    """One step's work. Made at every step: its ``__init__`` is written out, because mypyc
-    compiles a hand-written one but leaves the one ``@dataclass`` generates interpreted
-    (frozen, ~25x slower to build; ``docs/journal/2026-12-01.md``)."""
+    """One step's work, made at every step (the compiled build writes its ``__init__`` out:
+    ``benchmarks/sim_compile.py``)."""
 
     tokens: int
     sampled: int
     attended: float
     kv_read: int
     chunks: int
-
-    def __init__(
-        self, tokens: int, sampled: int, attended: float, kv_read: int, chunks: int
-    ) -> None:
-        self.tokens = tokens
-        self.sampled = sampled
-        self.attended = attended
-        self.kv_read = kv_read
-        self.chunks = chunks
 
 
 class CostModel:
@@ -230,21 +220,13 @@ class CostModel:
 @dataclass(slots=True)
 class DecodeLine:
     """Step ``k`` (from 0) of a run of pure decode steps costs
-    ``max(c0 + c1 k, m0 + m1 k) + fixed``; sums and inverses in closed form. ``__init__``
-    written out for mypyc, as ``StepShape``'s."""
+    ``max(c0 + c1 k, m0 + m1 k) + fixed``; sums and inverses in closed form."""
 
     c0: float
     c1: float
     m0: float
     m1: float
     fixed: float
-
-    def __init__(self, c0: float, c1: float, m0: float, m1: float, fixed: float) -> None:
-        self.c0 = c0
-        self.c1 = c1
-        self.m0 = m0
-        self.m1 = m1
-        self.fixed = fixed
 
     def step(self, k: int) -> float:
         return max(self.c0 + self.c1 * k, self.m0 + self.m1 * k) + self.fixed

@@ -48,10 +48,6 @@ class _Run:
     steps: int
     line: DecodeLine
 
-    def __init__(self, steps: int, line: DecodeLine) -> None:
-        self.steps = steps
-        self.line = line
-
 
 class SimEngine(LazyDecodes):
     """``outputs(request_id)`` gives the token ids a request generates, in order."""

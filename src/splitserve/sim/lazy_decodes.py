@@ -28,10 +28,6 @@ class StepReport:
     first_tokens: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
 
-    def __init__(self) -> None:  # written out for mypyc, as ``StepShape``'s
-        self.first_tokens = []
-        self.finished = []
-
 
 class LazyDecodes:
     """The lazy half of ``SimEngine``, which sets these attributes."""

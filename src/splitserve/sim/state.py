@@ -53,28 +53,6 @@ class SimRequest:
     prefill: SimWorker | None = None
     first_step: int = 0  # the decode worker's step count when the first token came
 
-    # One per request: mypyc compiles a hand-written ``__init__``, not ``@dataclass``'s.
-    def __init__(
-        self,
-        rid: str,
-        session: SessionSpec,
-        turn: int,
-        prompt: list[int],
-        record: RequestRecord,
-        info: RequestInfo,
-        chain: BlockChain,
-    ) -> None:
-        self.rid = rid
-        self.session = session
-        self.turn = turn
-        self.prompt = prompt
-        self.record = record
-        self.info = info
-        self.chain = chain
-        self.decode = None
-        self.prefill = None
-        self.first_step = 0
-
 
 @dataclass(slots=True)
 class SimStats:

@@ -41,34 +41,6 @@ class RequestRecord:
     e2e_s: float = 0.0
     error: str = ""
 
-    # A simulated million requests make a million: mypyc compiles a hand-written
-    # ``__init__``, not the one ``@dataclass`` generates (``docs/journal/2026-12-01.md``).
-    def __init__(
-        self,
-        session_id: str,
-        turn: int,
-        start_s: float,
-        ok: bool = False,
-        prompt_tokens: int = 0,
-        output_tokens: int = 0,
-        cached_tokens: int = 0,
-        ttft_s: float | None = None,
-        itl_s: list[float] | None = None,
-        e2e_s: float = 0.0,
-        error: str = "",
-    ) -> None:
-        self.session_id = session_id
-        self.turn = turn
-        self.start_s = start_s
-        self.ok = ok
-        self.prompt_tokens = prompt_tokens
-        self.output_tokens = output_tokens
-        self.cached_tokens = cached_tokens
-        self.ttft_s = ttft_s
-        self.itl_s = [] if itl_s is None else itl_s
-        self.e2e_s = e2e_s
-        self.error = error
-
     @property
     def end_s(self) -> float:
         return self.start_s + self.e2e_s

@@ -49,13 +49,6 @@ class Segment:
     role: str
     token_ids: tuple[int, ...]
 
-    # Made per message, turn and session of a run: compiled (mypyc), a hand-written
-    # ``__init__`` builds one in ~0.04 us, ``@dataclass``'s (run by the interpreter) in ~0.6.
-    # A frozen class sets its fields through ``object.__setattr__``, as the generated one does.
-    def __init__(self, role: str, token_ids: tuple[int, ...]) -> None:
-        object.__setattr__(self, "role", role)
-        object.__setattr__(self, "token_ids", token_ids)
-
 
 @dataclass(frozen=True, slots=True)
 class TurnSpec:
@@ -65,18 +58,6 @@ class TurnSpec:
     segments: tuple[Segment, ...]  # appended to the conversation before this turn
     output_len: int  # max_tokens, sent with ignore_eos so the reply is exactly this long
     output_ids: tuple[int, ...]  # synthetic reply (len == output_len) where the real is unknown
-
-    def __init__(
-        self,
-        pause_s: float,
-        segments: tuple[Segment, ...],
-        output_len: int,
-        output_ids: tuple[int, ...],
-    ) -> None:
-        object.__setattr__(self, "pause_s", pause_s)
-        object.__setattr__(self, "segments", segments)
-        object.__setattr__(self, "output_len", output_len)
-        object.__setattr__(self, "output_ids", output_ids)
 
     @property
     def new_tokens(self) -> int:
@@ -96,24 +77,6 @@ class SessionSpec:
     # Whose KV it is: a tenant's blocks hash from a root salted with its name
     # (``common.kv_hash.root_hash``), so no other tenant's prompt hits them; "": the default.
     tenant: str = ""
-
-    def __init__(
-        self,
-        session_id: str,
-        arrival_s: float,
-        agent_type: int,
-        turns: tuple[TurnSpec, ...],
-        api: str = API_CHAT,
-        sticky: bool = True,
-        tenant: str = "",
-    ) -> None:
-        object.__setattr__(self, "session_id", session_id)
-        object.__setattr__(self, "arrival_s", arrival_s)
-        object.__setattr__(self, "agent_type", agent_type)
-        object.__setattr__(self, "turns", turns)
-        object.__setattr__(self, "api", api)
-        object.__setattr__(self, "sticky", sticky)
-        object.__setattr__(self, "tenant", tenant)
 
     def prompt_token_ids(self, k: int, outputs: Sequence[Sequence[int]] | None = None) -> list[int]:
         """The token view of turn k's whole prompt: every earlier segment and reply, then

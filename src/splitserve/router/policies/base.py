@@ -33,22 +33,6 @@ class RequestInfo:
     prompt_token_ids: Sequence[int] | None = None
     kv_salt: str = ""
 
-    # One per request: compiled (mypyc), a hand-written ``__init__`` is ~15x faster than
-    # ``@dataclass``'s; a frozen class sets its fields through ``object.__setattr__``.
-    def __init__(
-        self,
-        session_key: str | None = None,
-        prefix_key: str | None = None,
-        prompt_tokens: int = 0,
-        prompt_token_ids: Sequence[int] | None = None,
-        kv_salt: str = "",
-    ) -> None:
-        object.__setattr__(self, "session_key", session_key)
-        object.__setattr__(self, "prefix_key", prefix_key)
-        object.__setattr__(self, "prompt_tokens", prompt_tokens)
-        object.__setattr__(self, "prompt_token_ids", prompt_token_ids)
-        object.__setattr__(self, "kv_salt", kv_salt)
-
 
 class RoutingPolicy(ABC):
     """Chooses a worker; told when requests finish and when loads are refreshed.
