@@ -73,8 +73,8 @@ def test_first_leg_strips_ids_and_settles_only_tokens_whose_text_arrived(continu
         {"content": "Hi"},
     ]  # the id-only chunks (text held back) are not forwarded
     assert all("prompt_token_ids" not in c and "token_ids" not in c["choices"][0] for c in chunks)
-    log = relay.log
-    assert (log.prompt_ids, log.settled, log.pending) == ([1, 2, 3], [50], [51, 52])
+    log, choice = relay.log, relay.log.choices[0]
+    assert (log.prompt_ids, choice.settled, choice.pending) == ([1, 2, 3], [50], [51, 52])
     assert relay.remaining() == 9
     body = relay.resume_body(9)
     if continued:  # builtin workers: the request itself, going on after the settled ids
@@ -180,7 +180,7 @@ def test_a_continuation_reads_as_the_first_leg_tool_calls_included():
         head | {"choices": [calls]},
         head | {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
     ]
-    assert relay.log.calls_sent and relay.log.settled == [50, 51, 52]
+    assert relay.log.choices[0].calls_sent and relay.log.choices[0].settled == [50, 51, 52]
 
 
 def test_a_client_that_asked_for_ids_gets_each_once_across_a_migration():
@@ -195,7 +195,7 @@ def test_a_client_that_asked_for_ids_gets_each_once_across_a_migration():
         {"index": 0, "delta": {"content": "!"}, "finish_reason": None, "token_ids": [53]}
     ]
     assert "prompt_token_ids" not in chunks[0] and chunks[0]["id"] == "chatcmpl-1"
-    assert relay.log.ids_sent == 4
+    assert relay.log.choices[0].ids_sent == 4
 
 
 def test_a_stream_that_broke_after_its_tool_calls_is_finished_without_a_worker():
@@ -206,8 +206,8 @@ def test_a_stream_that_broke_after_its_tool_calls_is_finished_without_a_worker()
     assert isinstance(error, IncompleteStream) and chunks[0]["choices"][0]["delta"] == {
         "tool_calls": CALLS
     }
-    assert relay.log.calls_sent  # resume.py then ends the stream itself:
-    events = b"".join(relay.finish_locally("tool_calls")).decode().split("\n\n")
+    assert relay.log.ended  # resume.py then ends the stream itself:
+    events = b"".join(relay.finish_locally()).decode().split("\n\n")
     assert json.loads(events[0][6:])["choices"][0]["finish_reason"] == "tool_calls"
 
 
@@ -299,7 +299,7 @@ def test_a_client_cannot_send_the_routers_resume_field(workers3, make_router):
         ({"response_format": {"type": "text"}}, True, True),
         ({"response_format": {"type": "json_object"}}, True, False),
         ({"seed": 3, "temperature": 1}, True, True),
-        ({"logprobs": True}, False, False),
+        ({"logprobs": True}, True, False),
         ({"frequency_penalty": 0.5}, True, False),
         ({"repetition_penalty": 1}, True, True),
         ({"repetition_penalty": 1.2}, True, False),
@@ -307,10 +307,66 @@ def test_a_client_cannot_send_the_routers_resume_field(workers3, make_router):
         ({"tools": [{"type": "function"}]}, True, False),
         ({"tools": [{"type": "function"}], "tool_choice": "required"}, True, False),
         ({"n": 1}, True, True),
-        ({"n": 2}, False, False),
+        ({"n": 2}, True, False),
     ],
 )
 def test_which_streams_are_resumed_elsewhere(extra, on_builtin, on_vllm):
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, **extra}
     assert resumable_request(body) is on_builtin
     assert resumable_request(body, "vllm") is on_vllm
+
+
+def lp_chunk(text: str, ids: list[int], index: int = 0, **extra) -> dict:
+    """A chat chunk of choice ``index`` with one log-probability entry per id."""
+    chunk = chat_chunk(text, ids, **extra)
+    chunk["choices"][0]["index"] = index
+    content = [{"token": f"t{i}", "logprob": -0.5, "bytes": [], "top_logprobs": []} for i in ids]
+    chunk["choices"][0]["logprobs"] = {"content": content, "refusal": None}
+    return chunk
+
+
+def test_a_client_gets_each_tokens_logprobs_once_across_a_migration():
+    original = {"messages": [], "logprobs": True, "stream": True}
+    relay = StreamRelay(StreamLog.of(original, chat=True), original)
+    # Token 51's text is held back, but its chunk (with its log-probabilities) went out.
+    first = [role_chunk(prompt_token_ids=[1, 2, 3]), lp_chunk("Hi", [50]), lp_chunk("", [51])]
+    chunks, _ = run(relay, [b"".join(sse(c) for c in first)])
+    assert [c["choices"][0]["logprobs"]["content"][0]["token"] for c in chunks[1:]] == [
+        "t50",
+        "t51",
+    ]
+    assert relay.resume_body(100)["resume"]["output_token_ids"] == [50]  # 51 is regenerated
+    leg = [lp_chunk("", [51], prompt_token_ids=[1, 2, 3]), lp_chunk("!", [52])]
+    leg.append(chat_chunk(None, None, finish_reason="stop"))
+    chunks, error = run(relay, [b"".join(sse(c) for c in leg) + b"data: [DONE]\n\n"])
+    assert error is None
+    assert [(c["choices"][0]["delta"], c["choices"][0].get("logprobs")) for c in chunks[:-1]] == [
+        ({"content": "!"}, leg[1]["choices"][0]["logprobs"]),
+        ({}, None),
+    ]
+
+
+def test_each_choice_of_n_is_resumed_from_its_own_output():
+    original = {"messages": [], "n": 3, "stream": True, "max_tokens": 4}
+    relay = StreamRelay(StreamLog.of(original, chat=True), original)
+    first = [role_chunk(prompt_token_ids=[1, 2])]
+    first += [lp_chunk("a", [10], 0), lp_chunk("b", [20], 1), lp_chunk("c", [30], 2)]
+    first += [lp_chunk("", [11], 0, finish_reason="stop"), lp_chunk("d", [21], 1)]
+    first += [lp_chunk("e", [31], 2), lp_chunk("f", [32], 2), lp_chunk("g", [33], 2)]
+    run(relay, [b"".join(sse(c) for c in first)])
+    # Choice 2's budget is spent (its finish chunk was lost): it ends here, the others run.
+    ends = [json.loads(e[6:]) for e in b"".join(relay.end_spent()).decode().split("\n\n") if e]
+    assert [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in ends] == [
+        (2, "length")
+    ]
+    assert relay.remaining() == 2
+    assert relay.resume_body(2)["resume"]["choices"] == [
+        {"output_token_ids": [10, 11], "finish_reason": "stop"},
+        {"output_token_ids": [20, 21], "finish_reason": None},
+        {"output_token_ids": [30, 31, 32, 33], "finish_reason": "length"},
+    ]
+    leg = [lp_chunk("h", [22], 1, prompt_token_ids=[1, 2])]
+    leg.append(lp_chunk("", [23], 1, finish_reason="length"))
+    chunks, error = run(relay, [b"".join(sse(c) for c in leg) + b"data: [DONE]\n\n"])
+    assert error is None and [c["choices"][0]["index"] for c in chunks[:-1]] == [1, 1]
+    assert relay.log.ended and relay.log.choices[1].settled == [20, 21, 22, 23]

@@ -110,16 +110,26 @@ class KVRetention(_Request):
     ttl_s: float | None = Field(default=None, ge=0.0)  # None: the worker's default
 
 
+class ResumedChoice(_Request):
+    """One choice of a resumed ``n > 1`` request: its output so far, and how it ended if the
+    client has its finish chunk already (it is not run again)."""
+
+    output_token_ids: list[int]
+    finish_reason: str | None = None
+
+
 class Resume(_Request):
     """Extension (the router's): this request continues the reply another worker began and
     lost mid-stream. ``prompt_token_ids`` is what that worker reported for the prompt (this
     worker's own must match), ``output_token_ids`` the tokens it had generated whose text the
-    client has. They count as this request's output: its sampler (a seed's draws, penalties),
-    grammar, tool-call parsing and stop strings go on from there, and its stream sends only
-    what follows them (``worker/resume.py``)."""
+    client has (``choices``: each choice's, for ``n > 1``). They count as this request's
+    output: its sampler (a seed's draws, penalties), grammar, tool-call parsing and stop
+    strings go on from there, and its stream sends only what follows them
+    (``worker/resume.py``)."""
 
     prompt_token_ids: list[int] = Field(min_length=1)
-    output_token_ids: list[int]
+    output_token_ids: list[int] = Field(default_factory=list)
+    choices: list[ResumedChoice] | None = Field(default=None, min_length=2)
 
 
 class _SamplingFields(_Request):

@@ -12,19 +12,22 @@ the worker dies mid-stream, the next worker continues from the ids already deliv
 token that ends mid-way through a character, that may begin a stop string or a tool call),
 sending chunks with ids but empty text, so ids settle only when a chunk with text arrives.
 The pending ones are regenerated and their text then comes from the next worker; a client
-that asked for ids does not get the regenerated ones twice. How the next worker is asked:
+that asked for ids or log-probabilities does not get those of the regenerated ones twice. A
+request of ``n > 1`` keeps one such log per choice (its chunks name their choice). How the
+next worker is asked:
 
 - builtin workers (``continued``): the client's request again, to the same path, with the
   router's ``resume`` field (the prompt's ids and the settled ids). The worker takes the
   settled ids as output already generated and replays them through the request's state
   (seeded draws, penalties, grammar, tool-call hold-back, stop strings; ``worker/resume.py``),
   so its chunks are the ones the first worker would have sent next, already in the client's
-  shape: the router only gives them the first worker's id and created time.
+  shape: the router only gives them the first worker's id and created time. For ``n > 1``
+  the ``resume`` field names each choice's settled ids and whether it has ended.
 - vLLM workers: a ``/v1/completions`` request whose prompt is the prompt's ids plus the
   settled ids; its chunks are re-shaped into the client's format (same id, model, object).
   It carries no sampler state: a stop string that straddles the resume point is not seen and
   seeded sampling does not replay the same draws, and streams whose output depends on more
-  are not resumed (``resumable_request``).
+  (or that have several choices or log-probabilities) are not resumed (``resumable_request``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,27 @@ TOKEN_IDS_FIELD = {"return_token_ids": True}
 
 
 @dataclass(slots=True)
+class ChoiceLog:
+    """What one choice of a streamed request has delivered to its client, in tokens."""
+
+    settled: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    calls_sent: bool = False  # the chunk with the reply's tool calls (they end it)
+    ids_sent: int = 0  # output ids the client has had (``client_wants_ids``)
+    logprobs_sent: int = 0  # output tokens whose log-probabilities the client has had
+
+    @property
+    def ended(self) -> bool:
+        """Whether the client has its end (the finish chunk, or the calls that precede it)."""
+        return self.finish_reason is not None or self.calls_sent
+
+    @property
+    def length(self) -> int:
+        return len(self.settled) + len(self.pending)
+
+
+@dataclass(slots=True)
 class StreamLog:
     """What one streamed request has delivered to its client, in tokens and in shape."""
 
@@ -71,11 +95,7 @@ class StreamLog:
     include_usage: bool = False
     head: dict[str, Any] = field(default_factory=dict)  # id, object, created, model
     prompt_ids: list[int] | None = None
-    settled: list[int] = field(default_factory=list)
-    pending: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    calls_sent: bool = False  # the chunk with the reply's tool calls (they end it)
-    ids_sent: int = 0  # output ids the client has had (``client_wants_ids``)
+    choices: list[ChoiceLog] = field(default_factory=lambda: [ChoiceLog()])  # by index
     usage_sent: bool = False
     done: bool = False
 
@@ -86,11 +106,13 @@ class StreamLog:
         else:
             max_tokens = body.get("max_tokens") or COMPLETION_DEFAULT_MAX_TOKENS
         options = body.get("stream_options")
+        n = body.get("n")
         return cls(
             chat=chat,
             max_tokens=max_tokens if isinstance(max_tokens, int) else None,
             client_wants_ids=body.get("return_token_ids") is True,
             include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+            choices=[ChoiceLog() for _ in range(n if isinstance(n, int) and n > 1 else 1)],
         )
 
     @property
@@ -98,24 +120,28 @@ class StreamLog:
         """Whether the worker told us enough to resume (it supports ``return_token_ids``)."""
         return self.prompt_ids is not None and not self.done
 
+    @property
+    def ended(self) -> bool:
+        """Whether every choice has ended (only the usage and ``[DONE]`` may be missing)."""
+        return all(c.ended for c in self.choices)
+
 
 def resumable_request(body: dict[str, Any], engine: str = "builtin") -> bool:
     """Whether a stream can be resumed on another worker if its worker fails mid-way.
 
-    Never with ``n > 1`` (its choices' chunks interleave, and a resumed leg is one sequence)
-    nor with ``logprobs`` (their chunks go out for tokens whose text is held back, and a
-    resumed leg would send them again). On builtin workers every other stream is: the worker
-    replays the output so far through the request's sampler state, so greedy and seeded
-    streams, tools, grammars (``response_format``, forced ``tool_choice``) and penalties
+    On builtin workers every stream is: the worker replays each choice's output so far
+    through the request's sampler state, so greedy and seeded streams, ``n > 1``, tools,
+    grammars (``response_format``, forced ``tool_choice``), penalties and log-probabilities
     continue exactly. On vLLM workers (``engine == "vllm"``) the resumed leg is a plain text
-    completion, so not when the request offers tools (the worker holds back text that may be
-    a call, which that leg could not rebuild), nor with a grammar or penalties (state it
-    would not carry). A stream that is not resumable is relayed as it is and ends with an
-    error event on a failure."""
-    if body.get("n") not in (None, 1) or body.get("logprobs"):
-        return False
+    completion of one sequence, so not with ``n > 1`` or ``logprobs`` (it would not know
+    which tokens the client has the log-probabilities of), nor when the request offers tools
+    (the worker holds back text that may be a call, which that leg could not rebuild), nor
+    with a grammar or penalties (state it would not carry). A stream that is not resumable
+    is relayed as it is and ends with an error event on a failure."""
     if engine != "vllm":
         return True
+    if body.get("n") not in (None, 1) or body.get("logprobs"):
+        return False
     if body.get("tools") and body.get("tool_choice") != "none":
         return False
     fmt = body.get("response_format")
@@ -173,13 +199,21 @@ class StreamRelay:
         log = self.log
         assert log.prompt_ids is not None
         self.resumed = True
-        log.pending = []
+        for c in log.choices:
+            c.pending = []
         if self.continued:
-            resume = {"prompt_token_ids": log.prompt_ids, "output_token_ids": log.settled}
+            resume: dict[str, Any] = {"prompt_token_ids": log.prompt_ids}
+            if len(log.choices) == 1:
+                resume["output_token_ids"] = log.choices[0].settled
+            else:
+                resume["choices"] = [
+                    {"output_token_ids": c.settled, "finish_reason": c.finish_reason}
+                    for c in log.choices
+                ]
             return {**self.body, "stream": True, "return_token_ids": True, "resume": resume}
         body = {k: self.body[k] for k in _CARRIED if k in self.body}
         body.update(
-            prompt=log.prompt_ids + log.settled,
+            prompt=log.prompt_ids + log.choices[0].settled,
             max_tokens=remaining,
             stream=True,
             return_token_ids=True,
@@ -187,24 +221,40 @@ class StreamRelay:
         return body
 
     def remaining(self, max_model_len: int | None = None) -> int:
-        """Tokens the next leg may still generate (``max_model_len`` when the client set no
-        limit, as chat allows)."""
+        """Tokens the next leg may still generate, at most, in a choice that has not ended
+        (``max_model_len`` when the client set no limit, as chat allows); 0 if none."""
+        budgets = [self._budget(c, max_model_len) for c in self.log.choices if not c.ended]
+        return max(budgets, default=0)
+
+    def end_spent(self, max_model_len: int | None = None) -> Iterator[bytes]:
+        """Finish chunks for the choices of ``n > 1`` that cannot go on while others can:
+        their calls were sent (the finish chunk was lost) or their token budget is spent."""
+        if len(self.log.choices) == 1:
+            return
+        for index, c in enumerate(self.log.choices):
+            if c.finish_reason is None and (c.calls_sent or self._budget(c, max_model_len) <= 0):
+                c.finish_reason = "tool_calls" if c.calls_sent else "length"
+                yield _sse(self._chunk("", c.finish_reason, None, index))
+
+    def _budget(self, c: ChoiceLog, max_model_len: int | None) -> int:
         log = self.log
         assert log.prompt_ids is not None
         limit = log.max_tokens
         if limit is None:
             limit = (max_model_len or 0) - len(log.prompt_ids)
-        return limit - len(log.settled)
+        return limit - len(c.settled)
 
     def finish_locally(self, reason: str = "length") -> Iterator[bytes]:
-        """End the stream without a worker: its token budget is spent (or it had finished)."""
+        """End the stream without a worker: its token budget is spent (or it had finished).
+        A choice whose calls were sent ends with ``tool_calls``."""
         log = self.log
-        if log.finish_reason is None:
-            log.finish_reason = reason
-            yield _sse(self._chunk("", reason, None))
+        for index, c in enumerate(log.choices):
+            if c.finish_reason is None:
+                c.finish_reason = "tool_calls" if c.calls_sent else reason
+                yield _sse(self._chunk("", c.finish_reason, None, index))
         if log.include_usage and not log.usage_sent:
             prompt = len(log.prompt_ids or [])
-            completion = len(log.settled) + len(log.pending)
+            completion = sum(c.length for c in log.choices)
             usage = {
                 "prompt_tokens": prompt,
                 "completion_tokens": completion,
@@ -248,21 +298,26 @@ class StreamRelay:
             log.usage_sent = log.usage_sent or chunk.get("usage") is not None
             return _sse(chunk)
         choice = chunk["choices"][0]
+        c = log.choices[choice.get("index", 0)]
         delta = choice.get("delta") or {}
         text = delta.get("content") if log.chat else choice.get("text")
-        self._record(text or "", choice)
-        log.calls_sent = log.calls_sent or "tool_calls" in delta
+        self._record(c, text or "", choice)
+        c.calls_sent = c.calls_sent or "tool_calls" in delta
+        if choice.get("logprobs") is not None:
+            self._unsent_logprobs(c, choice)
         if log.client_wants_ids:
-            self._unsent_ids(choice)
+            self._unsent_ids(c, choice)
         else:
             chunk.pop("prompt_token_ids", None)
             choice.pop("token_ids", None)
         # A chunk the worker sent only for ids (text held back) that the client did not ask
-        # for, or has already: without the extension the worker would not have sent it.
+        # for, or has already: without the extension the worker would not have sent it. (Nor
+        # one for log-probabilities the client has had, of tokens regenerated after a resume.)
         if (
             not text
             and choice.get("finish_reason") is None
             and "token_ids" not in choice
+            and choice.get("logprobs") is None
             and not delta.keys() - {"content"}  # a role or tool calls
         ):
             return b""
@@ -279,32 +334,52 @@ class StreamRelay:
             return _sse({**log.head, "choices": [], "usage": self._whole_usage(usage)})
         choice = chunk["choices"][0]
         text = choice.get("text") or ""
-        self._record(text, choice)
+        c = log.choices[0]
+        self._record(c, text, choice)
         reason = choice.get("finish_reason")
-        ids = self._unsent_ids(choice) if log.client_wants_ids else None
+        ids = self._unsent_ids(c, choice) if log.client_wants_ids else None
         if not text and reason is None and not ids:
             return b""
         return _sse(self._chunk(text, reason, ids))
 
-    def _record(self, text: str, choice: dict[str, Any]) -> None:
-        log = self.log
-        log.pending += choice.get("token_ids") or []
+    @staticmethod
+    def _record(c: ChoiceLog, text: str, choice: dict[str, Any]) -> None:
+        c.pending += choice.get("token_ids") or []
         if text:
-            log.settled += log.pending
-            log.pending = []
+            c.settled += c.pending
+            c.pending = []
         if choice.get("finish_reason") is not None:
-            log.finish_reason = choice["finish_reason"]
-            log.settled += log.pending  # the worker flushed all text with its last token
-            log.pending = []
+            c.finish_reason = choice["finish_reason"]
+            c.settled += c.pending  # the worker flushed all text with its last token
+            c.pending = []
 
-    def _unsent_ids(self, choice: dict[str, Any]) -> list[int] | None:
+    @staticmethod
+    def _unsent_logprobs(c: ChoiceLog, choice: dict[str, Any]) -> None:
+        """Drop from ``choice`` the log-probabilities of tokens the client has had (tokens
+        regenerated after a resume), once ``_record`` has counted its ids."""
+        start = c.length - len(choice.get("token_ids") or [])  # the chunk's first token
+        have = c.logprobs_sent - start
+        c.logprobs_sent = max(c.logprobs_sent, c.length)
+        if have <= 0:
+            return
+        lp = choice["logprobs"]
+        if "content" in lp:  # chat
+            lp["content"] = lp["content"][have:]
+            fresh = bool(lp["content"])
+        else:  # text completion: parallel lists, one entry per token
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                lp[key] = lp[key][have:]
+            fresh = bool(lp["tokens"])
+        if not fresh:
+            choice["logprobs"] = None
+
+    def _unsent_ids(self, c: ChoiceLog, choice: dict[str, Any]) -> list[int] | None:
         """The chunk's ids the client has not had (regenerated ones it got before a failure
         are dropped from ``choice``), once ``_record`` has counted them; None if none."""
-        log = self.log
         ids = choice.get("token_ids") or []
-        end = len(log.settled) + len(log.pending)  # the output's length after these ids
-        fresh = ids[max(0, log.ids_sent - (end - len(ids))) :]
-        log.ids_sent = max(log.ids_sent, end)
+        end = c.length  # the output's length after these ids
+        fresh = ids[max(0, c.ids_sent - (end - len(ids))) :]
+        c.ids_sent = max(c.ids_sent, end)
         if len(fresh) < len(ids):
             if fresh:
                 choice["token_ids"] = fresh
@@ -312,13 +387,15 @@ class StreamRelay:
                 choice.pop("token_ids", None)
         return fresh or None
 
-    def _chunk(self, text: str, reason: str | None, ids: list[int] | None) -> dict[str, Any]:
+    def _chunk(
+        self, text: str, reason: str | None, ids: list[int] | None, index: int = 0
+    ) -> dict[str, Any]:
         """A chunk in the client's shape, as the first worker would have written it."""
         if self.log.chat:
             delta = {"content": text} if text or reason is None else {}
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text}
+            choice = {"index": index, "text": text}
         choice.update(logprobs=None, finish_reason=reason)
         if ids is not None:
             choice["token_ids"] = ids

@@ -68,8 +68,8 @@ class Resumer:
         relay, excluded = forwarding.relay, forwarding.excluded
         assert relay is not None and excluded is not None
         # Only the ending was lost: the usage and [DONE], or the finish after the tool calls.
-        if relay.log.finish_reason is not None or relay.log.calls_sent:
-            for out in relay.finish_locally("tool_calls"):
+        if relay.log.ended:
+            for out in relay.finish_locally():
                 yield out
             return
         for _ in range(self.max_retries + 1):
@@ -79,9 +79,10 @@ class Resumer:
             self.metrics.migrations.inc()
             log.warning("resuming a stream on %s", worker.url)
             try:
-                remaining = relay.remaining(
-                    await self._max_model_len(worker, relay.log, forwarding)
-                )
+                max_model_len = await self._max_model_len(worker, relay.log, forwarding)
+                for out in relay.end_spent(max_model_len):
+                    yield out
+                remaining = relay.remaining(max_model_len)
                 if remaining <= 0:
                     for out in relay.finish_locally():
                         yield out

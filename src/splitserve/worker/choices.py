@@ -49,9 +49,10 @@ def choice_id(request_id: str, index: int) -> str:
 
 
 class ChoiceStreams:
-    """The outputs of a request's ``n`` choice streams, interleaved as they come, each with
-    ``outputs[0].index`` set to its choice. Ends once every choice has finished; an error
-    from any choice ends it with that error. Closing it closes (aborts) every choice."""
+    """The outputs of a request's choice streams, interleaved as they come, each with
+    ``outputs[0].index`` set to its choice. Ends once every choice added has finished (all
+    ``n`` of them, but for the ended choices of a resumed request); an error from any choice
+    ends it with that error. Closing it closes (aborts) every choice."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -61,24 +62,28 @@ class ChoiceStreams:
         self._first = asyncio.Event()
         self._first_ok = False
 
-    def add(self, stream: Any) -> None:
-        """The next choice's stream (choice 0 first)."""
-        index = len(self._streams)
+    def add(self, stream: Any, index: int) -> None:
+        """Choice ``index``'s stream (the first one added computes the prompt)."""
+        first = not self._streams
         self._streams.append(stream)
-        self._pumps.append(asyncio.ensure_future(self._pump(index, stream)))
+        self._pumps.append(asyncio.ensure_future(self._pump(index, stream, first)))
+
+    @property
+    def n_added(self) -> int:
+        return len(self._streams)
 
     async def first_output(self) -> bool:
-        """Wait for choice 0's first output (its prompt is then cached); False if it failed
-        instead (the error is what iterating raises)."""
+        """Wait for the first choice's first output (the prompt is then cached); False if it
+        failed instead (the error is what iterating raises)."""
         await self._first.wait()
         return self._first_ok
 
-    async def _pump(self, index: int, stream: Any) -> None:
+    async def _pump(self, index: int, stream: Any, first: bool) -> None:
         try:
             async for out in stream:
                 out.outputs[0].index = index
                 self._queue.put_nowait(out)
-                if index == 0 and not self._first.is_set():
+                if first and not self._first.is_set():
                     self._first_ok = True
                     self._first.set()
         except Exception as e:
@@ -89,7 +94,7 @@ class ChoiceStreams:
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         finished = 0
         try:
-            while finished < self.n:
+            while finished < len(self._streams):
                 item = await self._queue.get()
                 if isinstance(item, BaseException):
                     raise item

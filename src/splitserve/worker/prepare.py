@@ -56,6 +56,7 @@ class Resumed:
 
     output_token_ids: list[int]
     text: str  # their text as the stream settled it, before tool-call hold-back
+    finish_reason: str | None = None  # a choice of n > 1 that had ended: not run again
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,7 @@ class EngineInput:
     prompt: str | None
     params: SamplingParams
     resumed: Resumed | None = None
+    resumed_choices: tuple[Resumed, ...] | None = None  # n > 1: each choice's, by index
 
 
 def chat_input(req: ChatCompletionRequest, model: ModelInfo) -> EngineInput:

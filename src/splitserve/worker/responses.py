@@ -8,7 +8,7 @@ when usage was asked for) matters to strict clients.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -28,6 +28,7 @@ from splitserve.engine.outputs import RequestOutput
 from splitserve.worker.async_engine import EngineError, RequestStream
 from splitserve.worker.logprobs import LogprobFormatter
 from splitserve.worker.metrics import RequestTracker
+from splitserve.worker.prepare import Resumed
 from splitserve.worker.tool_calls import (
     ParsedReply,
     ToolCallStream,
@@ -38,12 +39,13 @@ from splitserve.worker.tool_calls import (
 DONE = "data: [DONE]\n\n"
 
 
-def usage_of(outs: list[RequestOutput]) -> Usage:
+def usage_of(outs: list[RequestOutput], ended: int = 0) -> Usage:
     """A request's usage over its choices, as OpenAI counts it: the prompt once (with what
-    was cached of it when choice 0 started), the completion tokens of every choice. A
-    resumed stream's cache may have held some of its output too: only the prompt's count."""
+    was cached of it when choice 0 started), the completion tokens of every choice (and
+    ``ended`` more: those of a resumed request's choices that had ended). A resumed stream's
+    cache may have held some of its output too: only the prompt's count."""
     first = outs[0]
-    completion = sum(len(out.outputs[0].token_ids) for out in outs)
+    completion = ended + sum(len(out.outputs[0].token_ids) for out in outs)
     prompt = len(first.prompt_token_ids)
     return Usage.of(prompt, completion, min(first.num_cached_tokens, prompt))
 
@@ -227,8 +229,9 @@ class _Chunks:
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         return _sse({**self.head, "choices": [choice]})
 
-    def usage(self, outs: list[RequestOutput]) -> str:
-        return _sse({**self.head, "choices": [], "usage": usage_of(outs).model_dump()})
+    def usage(self, outs: list[RequestOutput], ended: int = 0) -> str:
+        usage = usage_of(outs, ended).model_dump()
+        return _sse({**self.head, "choices": [], "usage": usage})
 
 
 # Stands in for the text while rendering the template; it must not occur anywhere else in a
@@ -245,11 +248,12 @@ class _ChoiceState:
         self.calls = ToolCallStream() if tools else None
         self.offset = 0  # text completions: where the next token's text starts
 
-    def resume(self, text: str) -> None:
-        """Go on after ``text``, the output that another worker's stream already sent."""
+    def resume(self, resumed: Resumed, logprobs: LogprobFormatter | None) -> None:
+        """Go on after ``resumed``, the output that another worker's stream already sent."""
         if self.calls is not None:
-            self.calls.feed(text)  # what it releases, the first worker released
-        self.offset = len(text)
+            self.calls.feed(resumed.text)  # what it releases, the first worker released
+        if logprobs is not None:  # as the first worker counted them: token by token
+            self.offset = sum(len(logprobs.text(t)) for t in resumed.output_token_ids)
 
 
 async def sse_events(
@@ -265,7 +269,7 @@ async def sse_events(
     logprobs: LogprobFormatter | None = None,
     parallel_tool_calls: bool = True,
     n: int = 1,
-    resumed_text: str | None = None,
+    resumed: Sequence[Resumed] | None = None,
 ) -> AsyncIterator[str]:
     """The server-sent events of one streamed completion of ``n`` choices, ending with
     ``data: [DONE]``. Every chunk names its choice's ``index``; each choice ends with its
@@ -277,15 +281,19 @@ async def sse_events(
     text that may be a tool call is held back and sent at the end as ``tool_calls``, and
     ``on_tool_calls`` runs once, after the first choice's calls are sent (only the first
     call without ``parallel_tool_calls``). With ``logprobs`` every token's chunk carries its
-    log-probabilities, even when its text is held back. ``resumed_text``: the stream goes
-    on from a dead worker's (``worker/resume.py``), whose role chunk and this output text
-    the client has.
+    log-probabilities, even when its text is held back. ``resumed``: the stream goes on from
+    a dead worker's (``worker/resume.py``), whose role chunks and this output of each choice
+    the client has (and the ends of the choices that had ended).
     """
     chunks = _Chunks(request_id, model, chat, include_usage, prompt_token_ids)
     states = [_ChoiceState(tools) for _ in range(n)]
     finals: dict[int, RequestOutput] = {}
-    if resumed_text is not None:
-        states[0].resume(resumed_text)
+    ended = 0  # the choices that had ended before a resume, and their tokens
+    if resumed is not None:
+        for state, choice in zip(states, resumed, strict=True):
+            state.resume(choice, logprobs)
+        ended = sum(len(c.output_token_ids) for c in resumed if c.finish_reason is not None)
+        n -= sum(c.finish_reason is not None for c in resumed)
     elif chat:
         for index in range(n):
             yield chunks.choice("", None, role=True, index=index)
@@ -312,7 +320,7 @@ async def sse_events(
             yield chunks.choice(None if chat else "", finish_reason, index=index)
             finals[index] = out
             if include_usage and len(finals) == n:
-                yield chunks.usage([finals[i] for i in range(n)])
+                yield chunks.usage([finals[i] for i in sorted(finals)], ended)
     except EngineError as e:
         # Headers are gone already: report in-band, the way OpenAI streams report errors.
         yield _sse(

@@ -273,7 +273,7 @@ async def _serve(
             logprobs,
             parallel,
             n,
-            resumed_text=inp.resumed.text if inp.resumed is not None else None,
+            resumed=inp.resumed_choices or (inp.resumed and (inp.resumed,)),
         )
         return SSEResponse(events, headers={"Cache-Control": "no-cache"})
     try:
@@ -318,16 +318,21 @@ async def _add_choices(
     async_engine: AsyncEngine,
 ) -> ChoiceStreams:
     """The request's ``n`` choices, each an engine request of its own; choices 1..n-1 are
-    added once choice 0 has computed the prompt, so they take its blocks from the cache."""
+    added once choice 0 has computed the prompt, so they take its blocks from the cache
+    (a resumed request's choices that had ended are not run again)."""
     choices = ChoiceStreams(n)
+    resumed = inp.resumed_choices
     try:
         for i in range(n):
-            if i == 1 and not await choices.first_output():
-                break  # choice 0 failed: iterating the choices raises its error
-            choice = replace(inp, params=choice_params(inp.params, i))
+            if resumed is not None and resumed[i].finish_reason is not None:
+                continue  # it had ended on the worker that began the request
+            if choices.n_added == 1 and not await choices.first_output():
+                break  # the first choice failed: iterating the choices raises its error
+            params = choice_params(inp.params, i)
+            choice = replace(inp, params=params, resumed=resumed and resumed[i])
             rid = choice_id(request_id, i)
             stream = await add_request(async_engine, rid, choice, False, salt, options)
-            choices.add(own_stream(request, req, rid, inp.prompt_token_ids, stream))
+            choices.add(own_stream(request, req, rid, inp.prompt_token_ids, stream), i)
     except BaseException:
         choices.close()
         raise
