@@ -206,6 +206,11 @@ class DiskTier(KVTier):
         self._dir_lock = DirectoryLock(self.directory, exclusive=False)
         self._scan()
 
+    @property
+    def ring(self) -> KeyRing | None:
+        """The keys files are sealed with (None: plaintext)."""
+        return self._ring
+
     def close(self) -> None:
         """Let ``splitserve kv reencrypt`` have the directory (the process exiting does too)."""
         self._dir_lock.close()

@@ -72,6 +72,8 @@ def erasure_routes(async_engine: AsyncEngine, kv: KVSides, owners: KVOwners | No
         record = _record(owners)
         answer = await _erase(record.claim_tenant(tenant), async_engine, kv)
         record.forget_tenant(tenant)
+        # The tenant's stored responses hold its conversations (on disk too, with a disk tier).
+        answer["responses"] = request.app.state.responses.forget_tenant(tenant)
         return {"object": "kv.erasure", "session": None, "tenant": tenant_id} | answer
 
     return router

@@ -59,7 +59,7 @@ from splitserve.worker.prepare import (
     parse_body,
 )
 from splitserve.worker.quotas import CountedStream, admit
-from splitserve.worker.response_store import ResponseStore
+from splitserve.worker.response_store import DEFAULT_MAX_PER_TENANT, ResponseStore
 from splitserve.worker.responses import (
     SSEResponse,
     chat_response,
@@ -69,6 +69,7 @@ from splitserve.worker.responses import (
 )
 from splitserve.worker.responses_api import responses_routes
 from splitserve.worker.resume import resumed_input
+from splitserve.worker.saved_responses import SavedResponses
 from splitserve.worker.tier_metrics import TierCollector
 
 log = logging.getLogger(__name__)
@@ -138,13 +139,24 @@ def create_app(
     app.include_router(kv_routes(async_engine, model, kv, auth), dependencies=guard)
     app.state.kv_owners = owners_for(engine)
     app.include_router(erasure_routes(async_engine, kv, app.state.kv_owners), dependencies=guard)
-    app.state.responses = ResponseStore()
+    app.state.responses = _response_store(engine)
     responses = responses_routes(
         async_engine, metrics, model, kv, auth, app.state.responses, app.state.kv_owners
     )
     app.include_router(responses, dependencies=guard)
     openapi.install(app, openapi.worker_operations("bearer" if auth.tenants.required else None))
     return app
+
+
+def _response_store(engine: EngineLike) -> ResponseStore:
+    """The stored responses: on disk too when the engine has a disk KV tier, so a response
+    chain survives a restart with its KV (``saved_responses``)."""
+    tiers = getattr(engine, "kv_tiers", None)
+    disk = tiers.ladder.disk() if tiers is not None else None
+    if disk is None:
+        return ResponseStore()
+    saved = SavedResponses(disk.directory, DEFAULT_MAX_PER_TENANT, disk.ring)
+    return ResponseStore(DEFAULT_MAX_PER_TENANT, saved)
 
 
 def _open_routes(async_engine: AsyncEngine, metrics: WorkerMetrics) -> APIRouter:

@@ -1,0 +1,73 @@
+"""Stored responses on disk (``worker/saved_responses.py``): what survives a restart, the
+bounds, sealing, and deletion. No model: records are made up."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.kvstore.keyring import KeyRing
+from splitserve.worker.response_store import ResponseStore, StoredResponse
+from splitserve.worker.saved_responses import RESPONSES_DIR, SavedResponses
+
+KEY, OTHER_KEY = bytes(range(32)), bytes(range(1, 33))
+
+
+def record(n: int, words: int = 1) -> StoredResponse:
+    context = ({"role": "user", "content": "é " * words}, {"role": "assistant", "content": "ok"})
+    return StoredResponse(f"resp_{n}", "chain", {"id": f"resp_{n}", "n": n}, context)
+
+
+def store(directory, per_tenant: int = 4, **kw) -> ResponseStore:
+    return ResponseStore(per_tenant, SavedResponses(directory, per_tenant, fsync=False, **kw))
+
+
+@pytest.mark.parametrize("key", [None, KEY], ids=["plain", "sealed"])
+def test_a_stored_response_survives_a_restart(tmp_path, key):
+    ring = None if key is None else KeyRing.of(key)
+    before = store(tmp_path, ring=ring)
+    before.put("A", record(1))
+    after = store(tmp_path, ring=ring)
+    assert after.get("A", "resp_1") == record(1)
+    assert after.get("B", "resp_1") is None  # tenants never see each other's
+    [raw] = [p.read_bytes() for p in (tmp_path / RESPONSES_DIR).rglob("*") if p.is_file()]
+    assert (b"assistant" in raw) is (key is None)  # sealed: no plaintext on disk
+
+
+def test_a_row_that_cannot_be_opened_is_forgotten(tmp_path):
+    sealed = store(tmp_path, ring=KeyRing.of(KEY))
+    sealed.put("A", record(1))
+    other = store(tmp_path, ring=KeyRing.of(OTHER_KEY))  # the key was dropped from the file
+    assert other.get("A", "resp_1") is None
+    assert len(SavedResponses(tmp_path, 4)) == 0
+
+
+def test_the_least_recently_used_go_past_the_tenants_bound_on_disk_too(tmp_path):
+    first = store(tmp_path, per_tenant=2)
+    first.put("A", record(1))
+    first.put("A", record(2))
+    first.get("A", "resp_1")  # now 2 is the least recently used
+    first.put("A", record(3))
+    first.put("B", record(9))
+    after = store(tmp_path, per_tenant=2)
+    assert [after.get("A", f"resp_{n}") is not None for n in (1, 2, 3)] == [True, False, True]
+    assert after.get("B", "resp_9") is not None
+
+
+def test_the_file_is_bounded_in_bytes(tmp_path):
+    saved = SavedResponses(tmp_path, 100, max_bytes=3000, fsync=False)
+    for n in range(10):
+        saved.save("A", record(n, words=300).as_dict())  # about 700 bytes each
+    kept = [n for n in range(10) if saved.load("A", f"resp_{n}") is not None]
+    assert kept == list(range(10 - len(kept), 10)) and 2 <= len(kept) <= 4
+
+
+def test_deleting_a_response_or_erasing_its_tenant_deletes_it_on_disk(tmp_path):
+    s = store(tmp_path)
+    for n in (1, 2):
+        s.put("A", record(n))
+    s.put("B", record(3))
+    assert s.delete("A", "resp_1") and not s.delete("A", "resp_1")
+    assert s.forget_tenant("A") == 1
+    after = store(tmp_path)
+    assert after.get("A", "resp_2") is None and after.get("B", "resp_3") is not None
+    assert len(list((tmp_path / RESPONSES_DIR).iterdir())) == 1  # A's directory is gone
