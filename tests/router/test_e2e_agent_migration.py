@@ -97,7 +97,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "ignore_eos": True,
         },
     ),
-    "logprobs": (  # the log-probabilities of the resumed part too, bit for bit
+    "logprobs": (  # the log-probabilities of the resumed part too (LOGPROB_TOL)
         CHAT,
         {"messages": STORY, "temperature": 0, "logprobs": True, "top_logprobs": 3, **LONG},
     ),
@@ -167,9 +167,9 @@ def comparable(lines: list[str]) -> list[str]:
     return out
 
 
-# The float32 engine (the tests') rounds a decode step's logits differently in batches of
-# different sizes, and a disturbed run batches differently: its log-probabilities are equal
-# within this. (bfloat16 on CPU is batch-invariant: there they are equal bit for bit.)
+# The float32 engine (the tests') rounds a token's logits differently in a prefill (a resumed
+# leg's) and in decode steps of batches of different sizes (a disturbed run batches
+# differently): log-probabilities are equal within this. (bfloat16 on CPU: bit for bit.)
 LOGPROB_TOL = 1e-4
 
 
