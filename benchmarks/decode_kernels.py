@@ -1,17 +1,19 @@
-"""A batched decode step with and without each CPU kernel of the engine, alternating rounds.
+"""Batched decode steps and prefills with and without each CPU kernel of the engine,
+alternating rounds.
 
 Variants (same process, same weights, same sequences):
 
 - ``plain``: weight products on the plain weights (``F.linear``), decode attention by
-  gather + SDPA (the torch path);
+  gather + SDPA (the torch path), prefill attention by SDPA (float32 for a bfloat16 model);
 - ``packed``: weight products on the oneDNN-blocked weights (``models.llama.packed_weight``);
 - ``packed+paged-numba``: and decode attention in place over the paged cache by the numba
   kernel (``models.paged_decode``);
-- ``packed+paged``: the same attention by the C++ kernel where it is built, the engine's
-  default.
+- ``packed+paged``: decode attention, and a bfloat16 model's prefill attention, by the C++
+  kernel where it is built: the engine's default.
 
-Each round prefills ``--seqs`` random prompts of ``--context`` tokens and times ``--steps``
-decode steps of all of them together; rounds alternate between the variants.
+Each round prefills ``--seqs`` random prompts of ``--context`` tokens (timed: prefill tok/s)
+and times ``--steps`` decode steps of all of them together; rounds alternate between the
+variants.
 
     python benchmarks/decode_kernels.py [--seqs 16] [--context 256] [--dtype bfloat16] [--threads 1]
 """
@@ -67,27 +69,29 @@ class Switch:
         self.runner.model.lm_head_packed = self.lm_head if packed else None
         self.runner.packed = packed
         self.runner.paged_decode = self.paged and variant.startswith("packed+paged")
-        numba_only = variant == "packed+paged-numba"
-        paged_decode.native_fits = (lambda *_: False) if numba_only else self.native_fits
+        native = variant == "packed+paged"
+        paged_decode.native_fits = self.native_fits if native else (lambda *_: False)
 
 
-def one_round(llm: LLM, prompts: list[list[int]], steps: int) -> float:
-    """Mean seconds per decode step of all ``prompts`` together."""
+def one_round(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """Prefill tokens/s of ``prompts``, and mean seconds per decode step of all together."""
     engine = llm.engine
     engine.block_manager.reset_prefix_cache()
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{time.monotonic()}-{i}", p, params)
+    start = time.perf_counter()
     while (
         any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting
     ):
         engine.step()  # the prefills, until every sequence decodes
+    prefill = sum(len(p) for p in prompts) / (time.perf_counter() - start)
     times = []
     while engine.has_unfinished_requests():
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    return statistics.mean(times[1:])
+    return prefill, statistics.mean(times[1:])
 
 
 def main() -> None:
@@ -104,17 +108,21 @@ def main() -> None:
         switch.set(variant)
         one_round(llm, prompts[:2], 2)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    prefills: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for _ in range(args.rounds):
         for variant in VARIANTS:
             switch.set(variant)
-            times[variant].append(one_round(llm, prompts, args.steps))
-    base = statistics.median(times["plain"])
+            prefill, step = one_round(llm, prompts, args.steps)
+            prefills[variant].append(prefill)
+            times[variant].append(step)
+    base, base_prefill = statistics.median(times["plain"]), statistics.median(prefills["plain"])
     for variant in VARIANTS:
-        ms = statistics.median(times[variant])
+        ms, pre = statistics.median(times[variant]), statistics.median(prefills[variant])
         rounds = ", ".join(f"{t * 1e3:.1f}" for t in times[variant])
         print(
-            f"{variant:14s} {ms * 1e3:7.1f} ms/step  {args.seqs / ms:6.1f} tok/s  "
-            f"{base / ms:.2f}x plain  (rounds: {rounds})"
+            f"{variant:18s} decode {ms * 1e3:6.1f} ms/step {args.seqs / ms:6.1f} tok/s "
+            f"{base / ms:.2f}x plain (rounds: {rounds}) | prefill {pre:6.0f} tok/s "
+            f"{pre / base_prefill:.2f}x plain"
         )
 
 
