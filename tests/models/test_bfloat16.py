@@ -196,3 +196,44 @@ def test_bf16_second_turn_equals_a_fresh_prefill_with_the_default_model():
         llm.engine.block_manager.reset_prefix_cache()
         fresh = llm.generate([turn], second)[0]
         assert list(reused.outputs[0].token_ids) == list(fresh.outputs[0].token_ids), i
+
+
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 128)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_cpp_bf16_product_gives_each_row_its_result_alone_at_any_rows_and_threads(shape, bias):
+    """``blocked_weight``'s product: a row's bits do not depend on the row count (1 to 140,
+    across its 32-row tiles) nor on the thread count; the result is the product within
+    bfloat16 rounding."""
+    from splitserve.models.llama import Linear, blocked_weight
+
+    k, n = shape
+    torch.manual_seed(5)
+    linear = Linear(k, n, bias, torch.bfloat16)
+    linear.weight.data.copy_((torch.randn(n, k) * 0.05).to(torch.bfloat16))
+    if bias:
+        linear.bias.data.copy_(torch.randn(n).to(torch.bfloat16))
+    if blocked_weight(linear.weight) is None:
+        pytest.skip("the C++ bfloat16 product is not built here")
+    linear.pack()
+    assert linear.blocked is not None and linear.packed is None
+    x = torch.randn(140, k).to(torch.bfloat16)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(x.shape[0])])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (2, 31, 32, 33, 64, 100, 140):
+                assert torch.equal(linear(x[:rows]), alone[:rows]), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
+    expected = torch.nn.functional.linear(x.float(), linear.weight.float())
+    if bias:
+        expected += linear.bias.float()
+    assert (alone.float() - expected).abs().max().item() < 0.02 * expected.abs().max().item()
+
+
+def test_the_cpp_bf16_product_is_not_used_where_it_cannot_run():
+    from splitserve.models.llama import blocked_weight
+
+    assert blocked_weight(torch.zeros(96, 64, dtype=torch.bfloat16)) is None  # 96 rows: not 64s
+    assert blocked_weight(torch.zeros(128, 64)) is None  # float32
