@@ -134,3 +134,12 @@ def test_native_kernel_turns_off_with_a_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "false")  # a compiler that fails at once
     assert native._load("paged_decode").startswith("building paged_decode.cpp failed")
     assert not list(tmp_path.iterdir())  # nothing half-built left behind
+
+
+def test_every_kernel_source_is_listed_and_builds_here():
+    """``make install`` builds ``native.KERNELS``: every source under csrc/ is among them,
+    and on a machine with AVX-512 and g++ each one loads."""
+    assert sorted(p.stem for p in native.CSRC.glob("*.cpp")) == sorted(native.KERNELS)
+    if "avx512f" not in native.cpu_flags():
+        pytest.skip("the CPU lacks avx512f")
+    assert native.load_all() == {name: None for name in native.KERNELS}

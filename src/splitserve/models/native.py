@@ -30,6 +30,7 @@ CSRC = Path(__file__).parent / "csrc"
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++20")
 # What every kernel here needs of the CPU (/proc/cpuinfo names).
 REQUIRED_CPU_FLAGS = ("avx512f",)
+KERNELS = ("paged_decode", "bf16_linear")  # the sources under csrc/
 
 
 def cache_dir() -> Path:
@@ -59,6 +60,12 @@ def load(name: str) -> str | None:
     if reason is not None:
         log.info("native kernel %s is off: %s", name, reason)
     return reason
+
+
+def load_all() -> dict[str, str | None]:
+    """Build and load every kernel (``make install`` does, so that no worker waits for one):
+    each name with ``load``'s answer."""
+    return {name: load(name) for name in KERNELS}
 
 
 def _load(name: str) -> str | None:

@@ -135,9 +135,10 @@ def prefill_attention(
 
 
 def warm_up() -> None:
-    """Build the C++ kernel (a few seconds) and compile the numba one for every cache type into
-    numba's on-disk cache (~15 s), once, so that no worker pays for it on its first decode step."""
-    native.load("paged_decode")
+    """Build the C++ kernels (a few seconds each) and compile the numba one for every cache
+    type into numba's on-disk cache (~15 s), once, so that no worker pays for either on its
+    first step."""
+    native.load_all()
     for dtype in _BITS:
         cache = torch.zeros(1, 1, 1, 1, dtype=dtype)
         table, length = np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.int64)
