@@ -9,9 +9,7 @@ Variants (same process, same weights, same sequences):
 - ``packed+paged-numba``: and decode attention in place over the paged cache by the numba
   kernel (``models.paged_decode``);
 - ``packed+paged``: decode attention, and a bfloat16 model's prefill attention, by the C++
-  kernel where it is built;
-- ``native``: and a bfloat16 model's weight products by the C++ product
-  (``models.llama.blocked_weight``) where it is built: the engine's default.
+  kernel where it is built: the engine's default.
 
 Each round prefills ``--seqs`` random prompts of ``--context`` tokens (timed: prefill tok/s)
 and times ``--steps`` decode steps of all of them together; rounds alternate between the
@@ -35,9 +33,9 @@ from router_peer import cpu_description  # noqa: E402
 
 from splitserve import LLM, SamplingParams  # noqa: E402
 from splitserve.models import paged_decode  # noqa: E402
-from splitserve.models.llama import Linear, packed_weight  # noqa: E402
+from splitserve.models.llama import Linear  # noqa: E402
 
-VARIANTS = ("plain", "packed", "packed+paged-numba", "packed+paged", "native")
+VARIANTS = ("plain", "packed", "packed+paged-numba", "packed+paged")
 
 
 def parse_args() -> argparse.Namespace:
@@ -59,25 +57,19 @@ class Switch:
         self.runner = llm.engine.runner
         model = self.runner.model
         self.linears = [m for m in model.modules() if isinstance(m, Linear)]
-        self.blocked = [m.blocked for m in self.linears]
-        self.packed = [m.packed or packed_weight(m.weight) for m in self.linears]
+        self.packed = [m.packed for m in self.linears]
         self.lm_head = model.lm_head_packed
         self.paged = self.runner.paged_decode
         self.native_fits = paged_decode.native_fits
 
     def set(self, variant: str) -> None:
         packed = variant != "plain"
-        for module, weight, blocked in zip(self.linears, self.packed, self.blocked, strict=True):
+        for module, weight in zip(self.linears, self.packed, strict=True):
             module.packed = weight if packed else None
-            module.blocked = blocked if variant == "native" else None
         self.runner.model.lm_head_packed = self.lm_head if packed else None
         self.runner.packed = packed
-        self.runner.paged_decode = self.paged and variant in (
-            "packed+paged-numba",
-            "packed+paged",
-            "native",
-        )
-        native = variant in ("packed+paged", "native")
+        self.runner.paged_decode = self.paged and variant.startswith("packed+paged")
+        native = variant == "packed+paged"
         paged_decode.native_fits = self.native_fits if native else (lambda *_: False)
 
 

@@ -128,6 +128,9 @@ def test_native_kernel_turns_off_with_a_reason(monkeypatch, tmp_path):
     monkeypatch.setenv(native.SWITCH_ENV, "0")
     assert native._load("paged_decode") == f"{native.SWITCH_ENV}=0"
     monkeypatch.delenv(native.SWITCH_ENV)
+    monkeypatch.setenv(native.OFF_ENV, "another, paged_decode")
+    assert native._load("paged_decode") == f"{native.OFF_ENV} names it"
+    monkeypatch.delenv(native.OFF_ENV)
     if "avx512f" not in native.cpu_flags():
         pytest.skip("the CPU lacks avx512f")
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))

@@ -80,17 +80,12 @@ class Linear(nn.Module):
             else None
         )
         self.packed: torch.Tensor | None = None
-        self.blocked: torch.Tensor | None = None
 
     def pack(self) -> None:
-        """Keep a copy of the weight blocked for ``forward``: for the C++ bfloat16 product
-        (``blocked_weight``) where it applies, else oneDNN's (``packed_weight``)."""
-        self.blocked = blocked_weight(self.weight)
-        self.packed = None if self.blocked is not None else packed_weight(self.weight)
+        """Keep a oneDNN-blocked copy of the weight for ``forward`` (see ``packed_weight``)."""
+        self.packed = packed_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocked is not None:
-            return torch.ops.splitserve.bf16_linear(x.contiguous(), self.blocked, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         if SplitGemv.parts == 1:
@@ -113,26 +108,6 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
-
-
-def blocked_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A bfloat16 CPU ``weight`` ``[out, in]`` packed for the C++ product
-    (``models/csrc/bf16_linear.cpp``), or ``None`` where it does not apply: another dtype or
-    device, ``out`` not a multiple of 64, or the kernel not built here (``models.native``).
-
-    Every row of its products gets the bits it gets alone, whatever the row count and thread
-    count, so prefill chunks need not be cut into ``BATCH_INVARIANT_ROWS`` pieces; its
-    micro-kernel (AMX where the CPU has it) keeps a block of the weight in cache while all
-    the rows take it."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-        return None
-    if weight.shape[0] % 64 or weight.shape[1] % 2:
-        return None
-    from splitserve.models import native
-
-    if native.load("bf16_linear") is not None:
-        return None
-    return torch.ops.splitserve.bf16_pack(weight.contiguous())
 
 
 # The row count oneDNN picks its blocking for; any count then runs on it (decode steps are

@@ -6,7 +6,7 @@ Each source is built once with the system's ``g++`` against the installed torch 
 the CPU's flags, and loaded with ``torch.ops.load_library``: the ops then appear under
 ``torch.ops.splitserve``. Where there is no compiler, no AVX-512, or the build fails, ``load``
 returns the reason and the caller keeps its portable path. ``SPLITSERVE_NATIVE=0`` turns every
-native kernel off.
+native kernel off, ``SPLITSERVE_NATIVE_OFF=name,...`` the ones named (``KERNELS``).
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "SPLITSERVE_KERNEL_CACHE"
 SWITCH_ENV = "SPLITSERVE_NATIVE"
+OFF_ENV = "SPLITSERVE_NATIVE_OFF"
 CSRC = Path(__file__).parent / "csrc"
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++20")
 # What every kernel here needs of the CPU (/proc/cpuinfo names).
 REQUIRED_CPU_FLAGS = ("avx512f",)
-KERNELS = ("paged_decode", "bf16_linear")  # the sources under csrc/
+KERNELS = ("paged_decode",)  # the sources under csrc/
 
 
 def cache_dir() -> Path:
@@ -71,6 +72,8 @@ def load_all() -> dict[str, str | None]:
 def _load(name: str) -> str | None:
     if os.environ.get(SWITCH_ENV, "1") == "0":
         return f"{SWITCH_ENV}=0"
+    if name in os.environ.get(OFF_ENV, "").replace(" ", "").split(","):
+        return f"{OFF_ENV} names it"
     flags = cpu_flags()
     missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
     if missing:

@@ -320,7 +320,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(splitserve, m) {
+TORCH_LIBRARY(splitserve, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, float scale) -> Tensor");
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, int start, float scale) -> Tensor");
 }
