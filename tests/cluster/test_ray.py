@@ -348,7 +348,7 @@ def test_autoscale_moves_the_split_as_the_simulator_predicts_when_prompts_grow(c
     for d in serve(cluster, args):
         with Load(d.routers, clients=1, max_tokens=16, prompt="Say hi.") as load:
             _decisions(d, 2)
-        with Load(d.routers, clients=2, max_tokens=8, prompt=PROMPT * 5) as long_load:
+        with Load(d.routers, clients=2, max_tokens=8, prompt=PROMPT * 8) as long_load:
             decisions = _decisions(d, 4, until=lambda ds: any(x["action"] == "scale" for x in ds))
             last = decisions[-1]
             assert last["action"] == "keep" or last["action"] == "scale"
