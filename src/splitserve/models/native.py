@@ -43,6 +43,7 @@ def cache_dir() -> Path:
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's flags as ``/proc/cpuinfo`` names them (empty where it cannot be read)."""
     try:
         with open(cpuinfo) as f:
             for line in f:
