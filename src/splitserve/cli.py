@@ -139,6 +139,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         disagg=disagg,
         step_log_dir=args.step_log_dir,
         kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         tls=server_files(args.ssl_certfile, args.ssl_keyfile),
         max_body_bytes=int(args.max_body_mb * 2**20),
         access_log=args.access_log,

@@ -104,7 +104,7 @@ def run_vllm_worker_from_args(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         api_key=args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None,
         log_level="warning" if args.log_level in ("info", "debug") else args.log_level,
-        extra_args=kv_events_args(args.kv_events_endpoint),
+        extra_args=kv_events_args(args.kv_events_endpoint, args.kv_events_replay_endpoint),
         nixl=nixl_side(args),
     )
     return run_vllm_worker(spec, args.vllm_python)
@@ -123,16 +123,22 @@ def nixl_side(args: argparse.Namespace) -> NixlSide | None:
     return NixlSide(host, port, failure_policy=args.kv_load_failure_policy)
 
 
-def kv_events_args(endpoint: str | None) -> list[str]:
-    """vLLM's flags for our ``--kv-events-endpoint tcp://HOST:PORT``: it publishes on PORT."""
+def kv_events_args(endpoint: str | None, replay: str | None = None) -> list[str]:
+    """vLLM's flags for our ``--kv-events-endpoint tcp://HOST:PORT``: it publishes on PORT
+    (and answers replays on ``--kv-events-replay-endpoint``'s port)."""
     if endpoint is None:
         return []
     from splitserve.common.kv_events import vllm_kv_events_config
 
-    scheme, _, port = endpoint.rpartition(":")
-    if not scheme.startswith("tcp://") or not port.isdigit():
-        raise ValueError(f"--kv-events-endpoint wants tcp://HOST:PORT, got {endpoint!r}")
-    return ["--kv-events-config", vllm_kv_events_config(int(port))]
+    def port_of(flag: str, value: str) -> int:
+        scheme, _, port = value.rpartition(":")
+        if not scheme.startswith("tcp://") or not port.isdigit():
+            raise ValueError(f"{flag} wants tcp://HOST:PORT, got {value!r}")
+        return int(port)
+
+    port = port_of("--kv-events-endpoint", endpoint)
+    replay_port = None if replay is None else port_of("--kv-events-replay-endpoint", replay)
+    return ["--kv-events-config", vllm_kv_events_config(port, replay_port=replay_port)]
 
 
 def serve_vllm_args(args: argparse.Namespace) -> list[str]:

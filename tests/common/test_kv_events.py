@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+import zmq.asyncio
 
 from splitserve.cluster.local import free_port
 from splitserve.common.kv_events import (
@@ -23,6 +25,8 @@ from splitserve.common.kv_events import (
     decode_batch,
     decode_message,
     encode_batch,
+    fetch_replay,
+    parse_source,
     subscribe,
     vllm_kv_events_config,
 )
@@ -230,3 +234,58 @@ def test_vllm_reads_our_bytes_and_we_read_its_publisher():
         proc.kill()
         proc.wait(10)
         sub.close(linger=0)
+
+
+def replay(endpoint: str, start: int, timeout: float = 5.0):
+    async def ask():
+        context = zmq.asyncio.Context()
+        try:
+            return await fetch_replay(context, endpoint, start, timeout)
+        finally:
+            context.destroy(linger=0)
+
+    return asyncio.run(ask())
+
+
+def publish(pub: EventPublisher, count: int) -> None:
+    """``count`` batches, one event each, numbered 0.. (waits until each is sent)."""
+    for i in range(count):
+        pub.emit(BlockRemoved([i], "GPU"))
+        deadline = time.monotonic() + 5
+        while pub.batches_sent <= i:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+
+
+def test_a_replay_resends_the_kept_batches_from_a_number_on():
+    pub = EventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+    try:
+        publish(pub, 6)
+        got = replay(pub.replay_endpoint, 2)
+        assert [n for n, _ in got] == [2, 3, 4, 5]
+        assert [b.events[0].block_hashes for _, b in got] == [[2], [3], [4], [5]]
+        assert replay(pub.replay_endpoint, 6) == []  # nothing newer yet
+    finally:
+        pub.close()
+
+
+def test_a_replay_keeps_only_the_last_batches():
+    pub = EventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", replay_buffer=3)
+    try:
+        publish(pub, 7)
+        assert [n for n, _ in replay(pub.replay_endpoint, 0)] == [4, 5, 6]
+    finally:
+        pub.close()
+
+
+def test_a_replay_endpoint_that_does_not_answer_is_none_within_the_timeout():
+    started = time.monotonic()
+    assert replay(f"tcp://127.0.0.1:{free_port()}", 0, timeout=0.3) is None
+    assert time.monotonic() - started < 3
+
+
+def test_the_vllm_config_names_the_replay_endpoint():
+    config = json.loads(vllm_kv_events_config(5557, replay_port=5558))
+    assert config["replay_endpoint"] == "tcp://*:5558" and config["endpoint"] == "tcp://*:5557"
+    assert parse_source("tcp://h:1,tcp://h:2") == ("tcp://h:1", "tcp://h:2")
+    assert parse_source("tcp://h:1") == ("tcp://h:1", None)

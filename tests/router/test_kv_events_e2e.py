@@ -29,13 +29,15 @@ BS = 16  # the workers' default block size
 
 @pytest.fixture(scope="module")
 def workers():
-    """Two workers publishing KV events: ``[(url, endpoint), ...]``."""
+    """Two workers publishing KV events and answering replays: ``[(url, source), ...]``,
+    ``source`` as the router takes it (``ENDPOINT,REPLAY``)."""
     started = []
     try:
         for _ in range(2):
-            endpoint = f"tcp://127.0.0.1:{free_port()}"
-            url, proc = start_worker(["--kv-cache-gb", "0.2", "--kv-events-endpoint", endpoint])
-            started.append((url, endpoint, proc))
+            endpoint, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+            args = ["--kv-cache-gb", "0.2", "--kv-events-endpoint", endpoint]
+            url, proc = start_worker([*args, "--kv-events-replay-endpoint", replay])
+            started.append((url, f"{endpoint},{replay}", proc))
         for url, _, proc in started:
             wait_healthy(url, proc, timeout=300)
         yield [(url, endpoint) for url, endpoint, _ in started]
@@ -206,3 +208,23 @@ def test_kv_events_of_a_joining_worker_need_the_kv_events_policy(workers, make_r
     joined = {"url": second, "kv_events": second_events}
     r = HTTP.post(router.url + "/workers", json=joined, headers={"Authorization": "Bearer admin"})
     assert r.status_code == 400 and "--policy kv-events" in r.json()["error"]["message"]
+
+
+def test_a_router_that_starts_late_learns_earlier_blocks_by_replay(workers, make_router):
+    # A router replica started (or restarted) after a worker has served: the worker's
+    # replay endpoint gives it the blocks stored before it subscribed.
+    (url, events), _ = workers
+    messages = [
+        {"role": "system", "content": "You triage flaky CI jobs for a compiler team. " * 3},
+        {"role": "user", "content": f"Job {uuid.uuid4()} timed out twice; why?"},
+    ]
+    body = {"messages": messages, "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+    reply = HTTP.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+    stream = reply["prompt_token_ids"] + reply["choices"][0]["token_ids"][:-1]
+    router = make_router(
+        workers=[url], policy="kv-events", kv_events={url: events}, tokenizer=tokenizer_dir()
+    )
+    index: KVIndex = router.app.app.state.kv_index
+    warm_up(index, url)
+    wait_indexed(index, url, stream)
+    assert index.stats.replayed > 0 and index.stats.gaps == 0

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+
+import zmq
+import zmq.asyncio
 
 from splitserve.common.kv_events import (
     AllBlocksCleared,
@@ -14,6 +18,7 @@ from splitserve.common.kv_events import (
     EventPublisher,
     first_block_salt,
     salted_extra_keys,
+    subscribe,
 )
 from splitserve.common.kv_hash import hash_blocks, root_hash, split_salt
 from splitserve.engine.block_manager import BlockManager
@@ -152,7 +157,7 @@ def test_forget_drops_a_worker():
     assert W1 not in index.workers and index.matches([W1], TOKENS) == {W1: 0}
 
 
-async def _until(check, timeout_s: float = 10.0, what: str = "condition") -> None:
+async def until(check, timeout_s: float = 10.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
         if time.monotonic() > deadline:
@@ -167,17 +172,17 @@ def test_the_subscriber_feeds_the_index_and_forgets_a_worker_that_goes_away():
         subscriber = KVEventSubscriber(index, {W1: pub.endpoint}, topic="w1")
         subscriber.start()
         try:
-            await _until(lambda: W1 in subscriber.connected, what="the connection")
+            await until(lambda: W1 in subscriber.connected, what="the connection")
             # Past the handshake the subscription may still be on its way: repeat a
             # harmless event until one lands.
             while W1 not in index.workers:
                 pub.emit(AllBlocksCleared())
                 await asyncio.sleep(0.05)
             pub.emit(stored([901, 902], None, 0))
-            await _until(lambda: held(index) == set(OURS[:2]), what="the stored blocks")
+            await until(lambda: held(index) == set(OURS[:2]), what="the stored blocks")
             assert index.stats.gaps == 0
             pub.close()
-            await _until(lambda: W1 not in index.workers, what="the worker to be forgotten")
+            await until(lambda: W1 not in index.workers, what="the worker to be forgotten")
             assert W1 not in subscriber.connected
         finally:
             await subscriber.stop()
@@ -199,9 +204,56 @@ def test_a_salted_chain_is_indexed_apart_and_found_only_with_its_salt():
 def test_the_salt_is_read_past_a_lora_name_as_vllm_orders_extra_keys():
     index = KVIndex()
     event = stored([901], None, 0)
-    event.lora_name, event.extra_keys = "adapter", [("adapter", "alice")]
+    event.lora_name, event.extra_keys = "adapter", [("adapter", ("img", 3), "alice")]
+    assert first_block_salt(event) == "alice"
+    event.extra_keys = [("adapter", "alice")]
     index.apply(W1, 0, batch(event))
-    assert index.matches([W1], TOKENS[:8], "alice") == {W1: BS}
+    assert index.matches([W1], TOKENS[:8], "alice", model="adapter") == {W1: BS}
+
+
+def lora_run(theirs: list[int], parent: int | None, first_block: int, lora: str) -> BlockStored:
+    """A stored run of LoRA adapter ``lora``: vLLM names it in every block's extra keys."""
+    event = stored(theirs, parent, first_block)
+    event.lora_id, event.lora_name, event.extra_keys = 1, lora, [(lora,)] * len(theirs)
+    return event
+
+
+def test_an_adapters_blocks_match_only_requests_for_that_adapter():
+    index = KVIndex()
+    index.apply(W1, 0, batch(lora_run([901, 902], None, 0, "sql"), lora_run([903], 902, 2, "sql")))
+    index.apply(W2, 0, batch(stored([801, 802, 803], None, 0)))
+    prompt = TOKENS[: 3 * BS + 1]
+    assert index.matches([W1, W2], prompt, model="sql") == {W1: 3 * BS, W2: 0}
+    assert index.matches([W1, W2], prompt, model="base") == {W1: 0, W2: 3 * BS}
+    assert index.matches([W1, W2], prompt) == {W1: 0, W2: 3 * BS}
+    assert index.matches([W1], prompt, model="other-adapter") == {W1: 0}
+    assert index.loras == {"sql"}
+
+
+def test_an_adapters_salted_chain_needs_both_the_adapter_and_the_salt():
+    index = KVIndex()
+    event = lora_run([901, 902], None, 0, "sql")
+    event.extra_keys = [("sql", "alice"), ("sql",)]
+    index.apply(W1, 0, batch(event))
+    prompt = TOKENS[: 2 * BS + 1]
+    assert index.matches([W1], prompt, "alice", model="sql") == {W1: 2 * BS}
+    assert index.matches([W1], prompt, model="sql") == {W1: 0}
+    assert index.matches([W1], prompt, "alice") == {W1: 0}
+
+
+def test_blocks_holding_an_image_are_never_matched_by_text():
+    # vLLM names an image in each block it covers, as (identifier, offset): equal
+    # placeholder tokens of two images are two blocks, which the router cannot name.
+    index = KVIndex()
+    event = stored([901, 902, 903], None, 0)
+    event.extra_keys = [None, (("img-a", 2),), None]
+    index.apply(W1, 0, batch(event))
+    other = stored([801, 802, 803], None, 0)
+    other.extra_keys = [None, (("img-b", 2),), None]
+    index.apply(W2, 0, batch(other))
+    assert index.matches([W1, W2], TOKENS) == {W1: BS, W2: BS}  # up to the image
+    h1, h2 = (index.workers[w]._ours[x][0] for w, x in ((W1, 902), (W2, 802)))
+    assert h1 != h2 and h1 != OURS[1]
 
 
 class Collected:
@@ -239,3 +291,149 @@ def test_a_split_chain_is_indexed_as_the_worker_hashed_it():
     index.apply(W1, 1, batch(*out.events[3:]))
     assert first_block_salt(out.events[3]) == "bob" and out.events[3].parent_block_hash
     assert index.matches([W1], TOKENS + [1], bob) == {W1: 5 * BS}
+
+
+class LossyLink:
+    """A real ZMQ hop between a publisher and the subscriber that drops the messages
+    numbered in ``drop``: what a slow subscriber past its high-water mark loses."""
+
+    def __init__(self, upstream: str, drop: set[int]) -> None:
+        self.drop = drop
+        self.context = zmq.asyncio.Context()
+        self.sub = subscribe(self.context, upstream)
+        self.pub = self.context.socket(zmq.PUB)
+        self.pub.bind("tcp://127.0.0.1:0")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.forwarded: list[int] = []
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            frames = await self.sub.recv_multipart()
+            seq = int.from_bytes(frames[1], "big")
+            if seq not in self.drop:
+                self.forwarded.append(seq)
+                await self.pub.send_multipart(frames)
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        self.context.destroy(linger=0)
+
+
+async def until_joined(pub: EventPublisher, condition, what: str) -> None:
+    """Harmless batches (a block nobody holds removed) until ``condition``: past ZMQ's
+    slow-joiner window."""
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        pub.emit(removed(1))
+        await asyncio.sleep(0.05)
+
+
+async def settled(pub: EventPublisher, index: KVIndex) -> None:
+    """Until every batch sent has reached the index."""
+    await until(lambda: index.expected(W1) == pub.batches_sent, what="the batches in flight")
+
+
+def replaying_publisher(**kwargs) -> EventPublisher:
+    return EventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", **kwargs)
+
+
+def emit_each(pub: EventPublisher, *events) -> None:
+    """One batch per event."""
+    for event in events:
+        sent = pub.batches_sent
+        pub.emit(event)
+        deadline = time.monotonic() + 5
+        while pub.batches_sent == sent:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+
+
+def test_a_gap_is_filled_from_the_workers_replay():
+    async def scenario() -> None:
+        pub = replaying_publisher()
+        link = LossyLink(pub.endpoint, drop=set())
+        index = KVIndex()
+        subscriber = KVEventSubscriber(index, {W1: f"{link.endpoint},{pub.replay_endpoint}"})
+        subscriber.start()
+        try:
+            await until_joined(pub, lambda: W1 in index.workers, "the first batch")
+            await settled(pub, index)
+            first, replayed = pub.batches_sent, index.stats.replayed
+            link.drop.update(range(first, first + 3))  # the three stored runs are lost
+            emit_each(pub, stored([901], None, 0), stored([902], 901, 1), stored([903], 902, 2))
+            pub.emit(stored([904], 903, 3))
+            await until(lambda: held(index) == set(OURS[:4]), what="all four blocks")
+            assert (index.stats.gaps, index.stats.replayed - replayed) == (0, 3)
+            assert not set(link.forwarded) & link.drop
+        finally:
+            await subscriber.stop()
+            await link.close()
+            pub.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_gap_past_what_the_worker_keeps_forgets_the_rest():
+    async def scenario() -> None:
+        pub = replaying_publisher(replay_buffer=2)
+        link = LossyLink(pub.endpoint, drop=set())
+        index = KVIndex()
+        subscriber = KVEventSubscriber(index, {W1: f"{link.endpoint},{pub.replay_endpoint}"})
+        subscriber.start()
+        try:
+            await until_joined(pub, lambda: W1 in index.workers, "the first batch")
+            await settled(pub, index)
+            emit_each(pub, stored([901], None, 0))
+            await until(lambda: held(index) == {OURS[0]}, what="the first block")
+            first = pub.batches_sent
+            link.drop.update(range(first, first + 2))
+            emit_each(pub, stored([902], 901, 1), stored([903], 902, 2))
+            pub.emit(removed(1))  # the replay keeps only 903's batch and this one
+            await until(lambda: index.stats.gaps == 1, what="the gap")
+            await until(lambda: index.expected(W1) == first + 3, what="the live batch")
+            # Forgotten, then relearned from the kept batch: 903's parent is unknown.
+            assert held(index) == set() and index.stats.orphans == 1
+        finally:
+            await subscriber.stop()
+            await link.close()
+            pub.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_late_subscriber_learns_what_was_published_before_it_joined():
+    async def scenario() -> None:
+        pub = replaying_publisher()
+        emit_each(pub, stored([901, 902, 903], None, 0), removed(903), removed(902))
+        index = KVIndex()
+        subscriber = KVEventSubscriber(index, {W1: f"{pub.endpoint},{pub.replay_endpoint}"})
+        subscriber.start()
+        try:
+            await until_joined(pub, lambda: W1 in index.workers, "the first batch")
+            assert held(index) == {OURS[0]} and index.stats.replayed >= 3
+        finally:
+            await subscriber.stop()
+            pub.close()
+
+    asyncio.run(scenario())
+
+
+def test_without_a_replay_a_late_subscriber_knows_only_what_came_after():
+    async def scenario() -> None:
+        pub = EventPublisher("tcp://127.0.0.1:0")
+        emit_each(pub, stored([901, 902], None, 0))
+        index = KVIndex()
+        subscriber = KVEventSubscriber(index, {W1: pub.endpoint})
+        subscriber.start()
+        try:
+            await until_joined(pub, lambda: W1 in index.workers, "the first batch")
+            assert held(index) == set() and index.stats.replayed == 0
+        finally:
+            await subscriber.stop()
+            pub.close()
+
+    asyncio.run(scenario())

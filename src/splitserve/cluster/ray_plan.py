@@ -8,6 +8,7 @@ from typing import Any
 
 from splitserve.cluster.local import own_access_log, own_disk_dir, router_argv, worker_argv
 from splitserve.cluster.serve import Topology
+from splitserve.common.kv_events import source
 
 ROUTER = "router"
 
@@ -63,8 +64,12 @@ class Slot:
     @property
     def events(self) -> str | None:
         """Where a decode worker publishes its KV events (the kv-events policy)."""
-        port = self.info.get("ports", {}).get("events")
-        return None if port is None else f"tcp://{self.info['ip']}:{port}"
+        ports = self.info.get("ports", {})
+        if ports.get("events") is None:
+            return None
+        ip = self.info["ip"]
+        replay = None if ports.get("replay") is None else f"tcp://{ip}:{ports['replay']}"
+        return source(f"tcp://{ip}:{ports['events']}", replay)
 
 
 def binds_router_port(plan: RayPlan, slot: Slot) -> bool:
@@ -106,6 +111,7 @@ def slot_ports(plan: RayPlan, slot: Slot) -> dict[str, int | None]:
     t = plan.topology
     if slot.role == "decode" and t.kv_events_tokenizer is not None:
         ports["events"] = None
+        ports["replay"] = None
     if t.engine == "vllm" and t.prefill and slot.role != ROUTER:
         ports["kv"] = None
     return ports
@@ -137,6 +143,7 @@ def slot_command(
     args = own_access_log(own_disk_dir(args, slot.name), slot.name)
     if slot.role == "decode" and t.kv_events_tokenizer is not None:
         args += ["--kv-events-endpoint", "tcp://{host}:{events}"]
+        args += ["--kv-events-replay-endpoint", "tcp://{host}:{replay}"]
     if t.engine == "vllm" and t.prefill:
         args += ["--kv-port", "{kv}"]
     role = t.worker_role(slot.role)

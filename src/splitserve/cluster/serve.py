@@ -26,6 +26,7 @@ from splitserve.cluster.local import (
     router_argv,
     worker_argv,
 )
+from splitserve.common.kv_events import source
 from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -185,13 +186,16 @@ def _serve(
 
 
 def _kv_events_router_args(workers: list[WorkerProcess], topology: Topology) -> list[str]:
-    """The router's ``--kv-events URL=ENDPOINT`` per publishing worker, and ``--tokenizer``."""
+    """The router's ``--kv-events URL=ENDPOINT,REPLAY`` per publishing worker, and
+    ``--tokenizer``."""
     if topology.kv_events_tokenizer is None:
         return []
     out = ["--tokenizer", topology.kv_events_tokenizer]
     for w in workers:
         if "--kv-events-endpoint" in w.argv:
-            out += ["--kv-events", f"{w.url}={w.argv[w.argv.index('--kv-events-endpoint') + 1]}"]
+            endpoint = w.argv[w.argv.index("--kv-events-endpoint") + 1]
+            replay = w.argv[w.argv.index("--kv-events-replay-endpoint") + 1]
+            out += ["--kv-events", f"{w.url}={source(endpoint, replay)}"]
     return out
 
 
@@ -247,6 +251,7 @@ def pool_workers(
             args = own_access_log(own_disk_dir(args, f"{role}-{i}"), f"{role}-{i}")
             if role == "decode" and topology.kv_events_tokenizer is not None:
                 args += ["--kv-events-endpoint", f"tcp://{host}:{free_port(host)}"]
+                args += ["--kv-events-replay-endpoint", f"tcp://{host}:{free_port(host)}"]
             if topology.engine == "vllm" and topology.prefill:  # NixlConnector's side channel
                 args += ["--kv-port", str(free_port(host))]
             argv = worker_argv(host, wport, model, args, role=topology.worker_role(role))

@@ -21,11 +21,21 @@ so a subscriber can only relate them through the tokens (``router/kv_index.py``)
 The block manager reports its cache changes to a ``BlockEventSink``, which hands events to
 an ``EventPublisher``: its thread batches whatever has queued up, encodes and sends, so an
 engine step never waits on the socket.
+
+A PUB socket drops what a slow or late subscriber missed. With a replay endpoint (vLLM's
+``replay_endpoint``, a ROUTER socket) the publisher keeps its last ``REPLAY_BUFFER`` batches
+and resends them from a sequence number on request::
+
+    request:  [b"", seq (8 bytes)]                       from a DEALER (or REQ) socket
+    replies:  [b"", seq_i, payload_i] for every kept seq_i >= seq, then [b"", END_SEQ, b""]
+
+``fetch_replay`` is the subscriber's side.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import queue
@@ -36,12 +46,15 @@ from typing import Any
 
 import msgspec
 import zmq
+import zmq.asyncio
 
 log = logging.getLogger(__name__)
 
 ExternalBlockHash = bytes | int  # vLLM: int by default, bytes with VLLM_KV_EVENTS_USE_INT_...=0
 MEDIUM_GPU = "GPU"  # the engine's device pool (vLLM names its own so on CPU machines too)
 SEQ_BYTES = 8
+END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)  # a replay's last message
+REPLAY_BUFFER = 10_000  # batches a publisher keeps for replay (vLLM's buffer_steps)
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
@@ -146,18 +159,30 @@ class EventPublisher:
         topic: str = "",
         hwm: int = 100_000,
         data_parallel_rank: int = 0,
+        replay_endpoint: str | None = None,
+        replay_buffer: int = REPLAY_BUFFER,
     ) -> None:
         self._topic = topic.encode()
         self._rank = data_parallel_rank
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._socket = zmq.Context.instance().socket(zmq.PUB)
-        self._socket.set_hwm(hwm)
-        try:
-            self._socket.bind(endpoint)
-        except zmq.ZMQError as e:
-            self._socket.close(linger=0)
-            raise ValueError(f"cannot publish KV events on {endpoint}: {e}") from e
+        self._socket = _bound(zmq.PUB, endpoint, hwm)
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint: str | None = None
+        self._kept: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_buffer)
+        self._kept_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._replay_thread: threading.Thread | None = None
+        if replay_endpoint is not None:
+            try:
+                replay = _bound(zmq.ROUTER, replay_endpoint, hwm)
+            except ValueError:
+                self._socket.close(linger=0)
+                raise
+            self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._replay_thread = threading.Thread(
+                target=self._serve_replays, args=(replay,), name="kv-events-replay", daemon=True
+            )
+            self._replay_thread.start()
         self.batches_sent = 0
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
@@ -171,6 +196,9 @@ class EventPublisher:
         self._queue.put(self._STOP)
         self._thread.join(timeout)
         self._socket.close(linger=0)
+        self._stopping.set()
+        if self._replay_thread is not None:
+            self._replay_thread.join(timeout)
 
     def _run(self) -> None:
         while True:
@@ -193,14 +221,80 @@ class EventPublisher:
         return events, True
 
     def _send(self, batch: EventBatch) -> None:
-        seq = self.batches_sent.to_bytes(SEQ_BYTES, "big")
+        number = self.batches_sent
+        seq = number.to_bytes(SEQ_BYTES, "big")
+        payload = encode_batch(batch)
+        if self._replay_thread is not None:
+            with self._kept_lock:
+                self._kept.append((number, payload))
         # Counted before it can arrive anywhere, and numbered even if lost: a subscriber
         # must see the gap rather than a quiet loss.
         self.batches_sent += 1
         try:
-            self._socket.send_multipart((self._topic, seq, encode_batch(batch)))
+            self._socket.send_multipart((self._topic, seq, payload))
         except zmq.ZMQError:
             log.exception("could not publish KV events")
+
+    def _serve_replays(self, socket: zmq.Socket) -> None:
+        """Answer replay requests until ``close``; the ROUTER socket is this thread's own."""
+        try:
+            while not self._stopping.is_set():
+                if not socket.poll(100):
+                    continue
+                frames = socket.recv_multipart()
+                if len(frames) != 3 or len(frames[2]) != SEQ_BYTES:
+                    log.warning("KV events: a malformed replay request (%d frames)", len(frames))
+                    continue
+                client, start = frames[0], int.from_bytes(frames[2], "big")
+                with self._kept_lock:
+                    kept = [(n, p) for n, p in self._kept if n >= start]
+                for n, payload in kept:
+                    socket.send_multipart((client, b"", n.to_bytes(SEQ_BYTES, "big"), payload))
+                socket.send_multipart((client, b"", END_SEQ, b""))
+        except zmq.ZMQError:
+            log.exception("KV events: the replay endpoint failed")
+        finally:
+            socket.close(linger=0)
+
+
+def _bound(kind: int, endpoint: str, hwm: int) -> zmq.Socket:
+    socket = zmq.Context.instance().socket(kind)
+    socket.set_hwm(hwm)
+    try:
+        socket.bind(endpoint)
+    except zmq.ZMQError as e:
+        socket.close(linger=0)
+        raise ValueError(f"cannot publish KV events on {endpoint}: {e}") from e
+    return socket
+
+
+async def fetch_replay(
+    context: zmq.asyncio.Context, endpoint: str, start: int, timeout: float = 2.0
+) -> list[tuple[int, EventBatch]] | None:
+    """The batches numbered ``start`` on that the publisher's replay ``endpoint`` still
+    keeps, in order (possibly starting later than ``start``: it keeps only its last ones);
+    None when it does not answer within ``timeout`` seconds or answers garbage."""
+    socket = context.socket(zmq.DEALER)
+    socket.connect(endpoint)
+    out: list[tuple[int, EventBatch]] = []
+    try:
+        await socket.send_multipart((b"", start.to_bytes(SEQ_BYTES, "big")))
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if not await socket.poll(int(left * 1000) + 1):
+                break
+            frames = await socket.recv_multipart()
+            if len(frames) == 3 and frames[1] == END_SEQ:
+                return out
+            try:
+                out.append(decode_message(frames))
+            except ValueError as e:
+                log.warning("KV events: a malformed replay from %s (%s)", endpoint, e)
+                return None
+        log.info("KV events: no replay from %s within %.1f s", endpoint, timeout)
+        return None
+    finally:
+        socket.close(linger=0)
 
 
 def subscribe(context: zmq.Context, endpoint: str, topic: str = "") -> zmq.Socket:
@@ -267,25 +361,50 @@ def first_block_salt(event: BlockStored) -> str:
     return next((k for k in keys if isinstance(k, str)), "")
 
 
-def vllm_kv_events_config(port: int, topic: str = "") -> str:
-    """The ``--kv-events-config`` that makes a vLLM server publish on ``port``. vLLM binds
-    only a wildcard endpoint (one naming a host, it connects to), so this one listens on
-    every interface; subscribers connect to ``tcp://HOST:port``."""
-    config = {
+def vllm_kv_events_config(port: int, topic: str = "", replay_port: int | None = None) -> str:
+    """The ``--kv-events-config`` that makes a vLLM server publish on ``port`` (and answer
+    replays on ``replay_port``). vLLM binds only a wildcard endpoint (one naming a host, it
+    connects to), so this one listens on every interface; subscribers connect to
+    ``tcp://HOST:port``."""
+    config: dict[str, Any] = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
         "endpoint": f"tcp://*:{port}",
         "topic": topic,
     }
+    if replay_port is not None:
+        config["replay_endpoint"] = f"tcp://*:{replay_port}"
     return json.dumps(config)
 
 
+ENDPOINT_RE = r"tcp://[^\s:/,]+:\d{1,5}"
+SOURCE_RE = rf"{ENDPOINT_RE}(,{ENDPOINT_RE})?"
+
+
+def parse_source(spec: str) -> tuple[str, str | None]:
+    """A worker's KV events as the router is told them, ``ENDPOINT[,REPLAY_ENDPOINT]``:
+    where it publishes, and where it answers replays (if it does)."""
+    endpoint, _, replay = spec.partition(",")
+    return endpoint, replay or None
+
+
+def source(endpoint: str, replay: str | None) -> str:
+    return endpoint if replay is None else f"{endpoint},{replay}"
+
+
 def add_kv_events_args(p: argparse.ArgumentParser) -> None:
-    """The worker's ``--kv-events-endpoint``."""
+    """The worker's ``--kv-events-endpoint`` and ``--kv-events-replay-endpoint``."""
     p.add_argument(
         "--kv-events-endpoint",
         default=None,
         metavar="tcp://HOST:PORT",
         help="publish the prefix cache's KV events (vLLM's format) on this ZMQ endpoint, "
         "for the router's kv-events policy (default: off)",
+    )
+    p.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="with --kv-events-endpoint: keep the last 10,000 event batches and resend them "
+        "on request here (vLLM's replay_endpoint), so a subscriber that missed some catches up",
     )

@@ -14,6 +14,7 @@ from starlette.routing import Route
 
 from splitserve.common.access_log import AccessLog
 from splitserve.common.body_limit import BodyLimit
+from splitserve.common.kv_events import SOURCE_RE
 from splitserve.common.kv_salts import KVSalts
 from splitserve.common.tenants import DEFAULT_TENANT, Tenants
 from splitserve.router import api_schema, upstream
@@ -241,7 +242,8 @@ def _worker_from(body: dict[str, Any]) -> Worker:
 
 
 def _events_endpoint(body: dict[str, Any], kv_index: KVIndex | None) -> str | None:
-    """A joining worker's ``kv_events`` (``tcp://HOST:PORT``), for the kv-events policy."""
+    """A joining worker's ``kv_events`` (``tcp://HOST:PORT``, optionally followed by
+    ``,tcp://HOST:PORT`` where it answers replays), for the kv-events policy."""
     endpoint = body.get("kv_events")
     if endpoint is None:
         return None
@@ -251,8 +253,10 @@ def _events_endpoint(body: dict[str, Any], kv_index: KVIndex | None) -> str | No
             "'kv_events' needs a router that places by KV events (--policy kv-events)",
             param="kv_events",
         )
-    if not isinstance(endpoint, str) or not re.fullmatch(r"tcp://[^\s:/]+:\d{1,5}", endpoint):
-        raise RouterError(400, "'kv_events' must be tcp://HOST:PORT", param="kv_events")
+    if not isinstance(endpoint, str) or not re.fullmatch(SOURCE_RE, endpoint):
+        raise RouterError(
+            400, "'kv_events' must be tcp://HOST:PORT[,tcp://HOST:PORT]", param="kv_events"
+        )
     return endpoint
 
 

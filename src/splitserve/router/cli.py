@@ -81,9 +81,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "--kv-events",
         action="append",
         default=[],
-        metavar="WORKER_URL=ENDPOINT",
+        metavar="WORKER_URL=ENDPOINT[,REPLAY]",
         help="subscribe to a worker's KV events (its --kv-events-endpoint, or vLLM's "
-        "--kv-events-config endpoint) for --policy kv-events; repeat per worker",
+        "--kv-events-config endpoint), and ask its replay endpoint (,tcp://HOST:PORT) for "
+        "missed batches, for --policy kv-events; repeat per worker",
     )
     p.add_argument("--kv-events-topic", default="", help="the workers' KV events topic")
     add_max_body_arg(p)
@@ -163,7 +164,7 @@ def _kv_events(pairs: list[str]) -> dict[str, str]:
         url, sep, endpoint = pair.partition("=")
         if not (sep and url and endpoint):
             raise SystemExit(
-                f"splitserve router: --kv-events wants WORKER_URL=ENDPOINT, got {pair!r}"
+                f"splitserve router: --kv-events wants WORKER_URL=ENDPOINT[,REPLAY], got {pair!r}"
             )
         out[url] = endpoint
     return out

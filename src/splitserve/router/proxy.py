@@ -226,6 +226,7 @@ class Proxy:
             prompt_tokens=int(uncached.elsewhere),
             prompt_token_ids=ids,
             kv_salt="" if self.tokenizer is None else self._kv_salt(body, principal, ids),
+            model=body["model"] if isinstance(body.get("model"), str) else None,
         )
         home = None
         if info.session_key is not None:
@@ -267,7 +268,7 @@ class Proxy:
         index = getattr(self.policies["decode"], "index", None)  # the kv-events policy's
         if index is None or not info.prompt_token_ids:
             return None
-        matched = index.matches([worker.url], info.prompt_token_ids, info.kv_salt)
+        matched = index.matches([worker.url], info.prompt_token_ids, info.kv_salt, info.model)
         return worker.url, matched[worker.url]
 
     def _pick(self, role: str, info: RequestInfo, excluded: list[str]) -> Worker | None:

@@ -30,6 +30,7 @@ def run_worker(
     disagg: DisaggConfig | None = None,
     step_log_dir: str | None = None,
     kv_events_endpoint: str | None = None,
+    kv_events_replay_endpoint: str | None = None,
     tls: ServerFiles | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     access_log: str | None = None,
@@ -68,7 +69,7 @@ def run_worker(
     if kv_events_endpoint is not None:
         from splitserve.common.kv_events import BlockEventSink, EventPublisher
 
-        kv_events = EventPublisher(kv_events_endpoint)
+        kv_events = EventPublisher(kv_events_endpoint, replay_endpoint=kv_events_replay_endpoint)
         bm = engine.block_manager
         bm.events = BlockEventSink(kv_events, bm.block_size)
     from splitserve.common.access_log import AccessLog

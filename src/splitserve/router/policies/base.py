@@ -24,7 +24,8 @@ class RequestInfo:
     prompt shared across conversations (prefill placement); either may be None.
     ``prompt_token_ids``: the prompt as the workers tokenize it, when the router tokenizes
     (``router.prompt_tokens``, for the kv-events policy); else None. ``kv_salt``: the salt
-    the workers hash its blocks with (its tenant's, ``common.tenants.kv_salt``).
+    the workers hash its blocks with (its tenant's, ``common.tenants.kv_salt``); ``model``:
+    the model the request names (a LoRA adapter's name selects its blocks in the index).
     """
 
     session_key: str | None = None
@@ -32,6 +33,7 @@ class RequestInfo:
     prompt_tokens: int = 0  # an estimate from the prompt's characters
     prompt_token_ids: Sequence[int] | None = None
     kv_salt: str = ""
+    model: str | None = None
 
 
 class RoutingPolicy(ABC):

@@ -58,7 +58,7 @@ class KVEventsPolicy(SessionPolicy):
         loads = self._ring.loads
         cap = load_cap(sum(loads.values()), len(loads), self.load_factor, self.load_floor)
         room = [url for url, load in loads.items() if load < cap]
-        matched = self.index.matches(room, info.prompt_token_ids or (), info.kv_salt)
+        matched = self.index.matches(room, info.prompt_token_ids or (), info.kv_salt, info.model)
         longest = max(matched.values(), default=0)
         if longest == 0:
             return None
