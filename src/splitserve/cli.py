@@ -17,7 +17,12 @@ from splitserve.cli_kv import (
     tier_worker_args,
 )
 from splitserve.cli_ray import add_cluster_parser, add_ray_serve_args, cmd_serve_ray, ray_plan
-from splitserve.cli_vllm import add_engine_choice, run_vllm_worker_from_args, serve_vllm_args
+from splitserve.cli_vllm import (
+    add_engine_choice,
+    lora_args,
+    run_vllm_worker_from_args,
+    serve_vllm_args,
+)
 from splitserve.common.access_log import add_access_log_args
 from splitserve.common.access_log import max_bytes as access_log_bytes
 from splitserve.common.body_limit import add_max_body_arg
@@ -111,6 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    lora_args(args)  # LoRA adapters need vLLM
     if args.engine == "vllm":
         return run_vllm_worker_from_args(args)
     from splitserve.config import EngineConfig
@@ -229,6 +235,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from splitserve.config import EngineConfig
 
     topology = serve_topology(args)
+    lora_args(args)  # LoRA adapters need vLLM
     tier_config(args)  # bad tier flags fail here, not in every worker
     EngineConfig.from_kwargs(**_engine_options(args))  # and bad engine options
     api_key = args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None

@@ -7,6 +7,7 @@ both`` runs whole requests, with no connector."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,14 @@ def add_engine_choice(p: argparse.ArgumentParser, worker: bool) -> None:
         metavar="PATH",
         help="the Python of a virtualenv with vLLM (default: the repository's .venv-vllm)",
     )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="--engine vllm: serve these LoRA adapters (PEFT directories); a request naming "
+        "NAME as its model runs with that adapter",
+    )
     if worker:
         g.add_argument(
             "--cpus",
@@ -62,6 +71,34 @@ def add_engine_choice(p: argparse.ArgumentParser, worker: bool) -> None:
             help="run the worker on these cores, e.g. 0 or 0-1 (default --threads: one per "
             "core). Default: builtin, every core; vllm, --threads cores from 0, else vLLM's own",
         )
+
+
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts
+
+
+def lora_args(args: argparse.Namespace) -> list[str]:
+    """vLLM's flags for ``--lora-modules NAME=PATH ...``, with the smallest maximum rank
+    that fits every adapter; ValueError for a builtin worker or a bad adapter."""
+    modules = getattr(args, "lora_modules", [])
+    if not modules:
+        return []
+    if args.engine != "vllm":
+        raise ValueError("--lora-modules needs --engine vllm: the builtin engine runs no LoRA")
+    ranks = []
+    for module in modules:
+        name, sep, path = module.partition("=")
+        if not (sep and name and path):
+            raise ValueError(f"--lora-modules wants NAME=PATH, got {module!r}")
+        try:
+            with open(os.path.join(path, "adapter_config.json")) as f:
+                ranks.append(int(json.load(f)["r"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"--lora-modules {name}: {path} is no PEFT LoRA adapter ({e})") from e
+    fits = [r for r in _LORA_RANKS if r >= max(ranks)]
+    if not fits:
+        raise ValueError(f"--lora-modules: rank {max(ranks)} is above vLLM's {_LORA_RANKS[-1]}")
+    out = ["--enable-lora", "--max-lora-rank", str(fits[0])]
+    return out + ["--max-loras", str(len(modules)), "--lora-modules", *modules]
 
 
 def check_vllm_flags(args: argparse.Namespace) -> None:
@@ -104,7 +141,10 @@ def run_vllm_worker_from_args(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         api_key=args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None,
         log_level="warning" if args.log_level in ("info", "debug") else args.log_level,
-        extra_args=kv_events_args(args.kv_events_endpoint, args.kv_events_replay_endpoint),
+        extra_args=[
+            *kv_events_args(args.kv_events_endpoint, args.kv_events_replay_endpoint),
+            *lora_args(args),
+        ],
         nixl=nixl_side(args),
     )
     return run_vllm_worker(spec, args.vllm_python)
@@ -147,6 +187,9 @@ def serve_vllm_args(args: argparse.Namespace) -> list[str]:
     out = ["--engine", "vllm", "--dtype", args.dtype, "--kv-cache-gb", str(args.kv_cache_gb)]
     if args.vllm_python:
         out += ["--vllm-python", args.vllm_python]
+    if args.lora_modules:
+        lora_args(args)  # a bad adapter fails here, not in every worker
+        out += ["--lora-modules", *args.lora_modules]
     for flag, value in (
         ("--threads", args.threads),
         ("--max-model-len", args.max_model_len),

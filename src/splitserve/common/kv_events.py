@@ -26,8 +26,9 @@ A PUB socket drops what a slow or late subscriber missed. With a replay endpoint
 ``replay_endpoint``, a ROUTER socket) the publisher keeps its last ``REPLAY_BUFFER`` batches
 and resends them from a sequence number on request::
 
-    request:  [b"", seq (8 bytes)]                       from a DEALER (or REQ) socket
-    replies:  [b"", seq_i, payload_i] for every kept seq_i >= seq, then [b"", END_SEQ, b""]
+    request:  [b"", seq (8 bytes)]                           from a DEALER (or REQ) socket
+    replies:  [b"", topic, seq_i, payload_i] for every kept seq_i >= seq,
+              then [b"", b"", END_SEQ, b""]
 
 ``fetch_replay`` is the subscriber's side.
 """
@@ -249,8 +250,9 @@ class EventPublisher:
                 with self._kept_lock:
                     kept = [(n, p) for n, p in self._kept if n >= start]
                 for n, payload in kept:
-                    socket.send_multipart((client, b"", n.to_bytes(SEQ_BYTES, "big"), payload))
-                socket.send_multipart((client, b"", END_SEQ, b""))
+                    seq = n.to_bytes(SEQ_BYTES, "big")
+                    socket.send_multipart((client, b"", self._topic, seq, payload))
+                socket.send_multipart((client, b"", b"", END_SEQ, b""))
         except zmq.ZMQError:
             log.exception("KV events: the replay endpoint failed")
         finally:
@@ -284,10 +286,10 @@ async def fetch_replay(
             if not await socket.poll(int(left * 1000) + 1):
                 break
             frames = await socket.recv_multipart()
-            if len(frames) == 3 and frames[1] == END_SEQ:
+            if len(frames) == 4 and frames[2] == END_SEQ:
                 return out
             try:
-                out.append(decode_message(frames))
+                out.append(decode_message(frames[1:]))
             except ValueError as e:
                 log.warning("KV events: a malformed replay from %s (%s)", endpoint, e)
                 return None
