@@ -31,19 +31,31 @@ class KVSalts:
     ) -> None:
         self.tenants = tenants
         self.secret = secret
-        self._prefix_ids: dict[str, list[list[int]]] = {}
-        if text_ids is None or chat_ids is None:
-            return
+        self._text_ids, self._chat_ids = text_ids, chat_ids
+        self._prefix_ids = self._tokenized(tenants)
+
+    def adopt(self, tenants: Tenants) -> None:
+        """Switch to ``tenants``' keys and prefixes (a reloaded keys file); a prefix the
+        tokenizer cannot take is a ValueError, and nothing changes."""
+        prefix_ids = self._tokenized(tenants)
+        self.tenants.adopt(tenants)
+        self._prefix_ids = prefix_ids
+
+    def _tokenized(self, tenants: Tenants) -> dict[str, list[list[int]]]:
+        out: dict[str, list[list[int]]] = {}
+        if self._text_ids is None or self._chat_ids is None:
+            return out
         for tenant in {t.id: t for t in tenants.sharing.values()}.values():
             ids = []
             for i, prefix in enumerate(tenant.public_prefixes):
                 try:
-                    ids.append(prefix.token_ids(text_ids, chat_ids))
+                    ids.append(prefix.token_ids(self._text_ids, self._chat_ids))
                 except Exception as e:  # a chat template may reject the messages
                     raise ValueError(
                         f"tenant {tenant.id!r}: public prefix {i} cannot be tokenized: {e}"
                     ) from e
-            self._prefix_ids[tenant.id] = ids
+            out[tenant.id] = ids
+        return out
 
     def salt(self, principal: str, cache_salt: str | None, prompt_ids: Sequence[int] | None) -> str:
         """The salt of ``principal``'s request for ``prompt_ids`` (None: not known, so the

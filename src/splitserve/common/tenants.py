@@ -124,11 +124,19 @@ class Tenants:
     """The deployment's API keys by tenant. Without keys every request is the default
     tenant's and needs no key."""
 
-    def __init__(self, keys: list[Key]) -> None:
+    def __init__(self, keys: list[Key], path: str | None = None) -> None:
+        self.path = path  # the keys file they came from, if any (``common.keys_reload``)
+        self._set(keys)
+
+    def _set(self, keys: list[Key]) -> None:
         self._keys = keys
         self.by_id = {k.tenant.id: k.tenant for k in keys}
         # principal -> its tenant, for the keys that share their tenant's public prefixes
         self.sharing = {k.principal: k.tenant for k in keys if k.shares_prefix}
+
+    def adopt(self, other: Tenants) -> None:
+        """Take ``other``'s keys in place: everything holding this object sees them at once."""
+        self._set(other._keys)
 
     @classmethod
     def open(cls) -> Tenants:
@@ -167,7 +175,7 @@ class Tenants:
         keyless = sorted(set(prefixes) - set(limits))
         if keyless:
             raise ValueError(f"{path}: tenant {keyless[0]!r} is declared but has no key")
-        return cls(keys)
+        return cls(keys, str(path))
 
     @property
     def required(self) -> bool:

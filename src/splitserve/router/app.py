@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -12,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
+from splitserve.common import keys_reload
 from splitserve.common.access_log import AccessLog
 from splitserve.common.body_limit import BodyLimit
 from splitserve.common.kv_events import SOURCE_RE
@@ -84,9 +86,11 @@ def create_app(config: RouterConfig) -> Front:
             salts,
         )
         checker.start()
+        reload = keys_reload.start(salts, _check_secret(config.cluster_secret))
         try:
             yield
         finally:
+            await keys_reload.stop(reload)
             if subscriber is not None:
                 await subscriber.stop()
             await checker.stop()
@@ -119,12 +123,19 @@ def _tenants(config: RouterConfig) -> Tenants:
     """The clients' keys; tenants other than the default need the cluster secret, since
     that is how the workers learn whose request it is."""
     tenants = Tenants.from_args(config.api_key, config.api_keys_file)
-    if set(tenants.by_id) - {DEFAULT_TENANT} and not config.cluster_secret:
-        raise ValueError(
-            "tenants need the cluster secret (--kv-secret-file or SPLITSERVE_KV_SECRET) "
-            "to tell the workers whose request each one is"
-        )
+    _check_secret(config.cluster_secret)(tenants)
     return tenants
+
+
+def _check_secret(secret: bytes) -> Callable[[Tenants], None]:
+    def check(tenants: Tenants) -> None:
+        if set(tenants.by_id) - {DEFAULT_TENANT} and not secret:
+            raise ValueError(
+                "tenants need the cluster secret (--kv-secret-file or SPLITSERVE_KV_SECRET) "
+                "to tell the workers whose request each one is"
+            )
+
+    return check
 
 
 def _salts(tenants: Tenants, secret: bytes, tokenizer: Any) -> KVSalts:

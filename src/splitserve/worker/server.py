@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from splitserve.common import openapi
+from splitserve.common import keys_reload, openapi
 from splitserve.common.access_log import AccessLog, AccessLogMiddleware
 from splitserve.common.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from splitserve.common.protocol import (
@@ -116,7 +116,9 @@ def create_app(
     async def lifespan(app: FastAPI):
         async_engine.start()
         kv.start()
+        reload = keys_reload.start(auth.salts)
         yield
+        await keys_reload.stop(reload)
         await kv.stop()
         async_engine.shutdown()
         close = getattr(engine, "close", None)  # pending KV tier writes land within seconds
