@@ -34,9 +34,6 @@ _BUILTIN_ONLY = (
     ("kv_secret_file", "--kv-secret-file", None),
     ("kv_lease_ttl", "--kv-lease-ttl", 30.0),
     ("kv_test_fault", "--kv-test-fault", None),
-    ("ssl_certfile", "--ssl-certfile", None),
-    ("ssl_keyfile", "--ssl-keyfile", None),
-    ("worker_ca", "--worker-ca", None),
 )
 
 
@@ -146,6 +143,9 @@ def run_vllm_worker_from_args(args: argparse.Namespace) -> int:
             *lora_args(args),
         ],
         nixl=nixl_side(args),
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ca=args.worker_ca,
     )
     return run_vllm_worker(spec, args.vllm_python)
 

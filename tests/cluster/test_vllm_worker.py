@@ -208,3 +208,13 @@ def test_lora_modules_become_vllms_flags_with_a_rank_that_fits(tmp_path):
 def test_bad_lora_modules_are_clear_errors(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_vllm_worker_serves_https_with_the_deployments_files():
+    spec = VllmWorkerSpec("/m", "n", ssl_certfile="/c.pem", ssl_keyfile="/k.pem", ca="/ca.pem")
+    argv = vllm_argv("/py", spec)
+    assert argv[argv.index("--ssl-certfile") + 1] == "/c.pem"
+    assert argv[argv.index("--ssl-keyfile") + 1] == "/k.pem"
+    assert spec.scheme == "https" and VllmWorkerSpec("/m", "n").scheme == "http"
+    with pytest.raises(ValueError, match="go together"):
+        VllmWorkerSpec("/m", "n", ssl_certfile="/c.pem")

@@ -15,6 +15,19 @@ from tests.models.test_llama_vs_hf import BLOCK, chunk, prompt, save_hf_model
 # to a few units in the last place of the largest logit, not to float32's 1e-3.
 REL_TOL = 0.03
 
+# oneDNN computes bfloat16 with AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere weights are not
+# packed and torch's own (emulated) kernels run the products.
+needs_onednn_bf16 = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="oneDNN computes no bfloat16 on this CPU, so no packed bfloat16 product",
+)
+# The bundled model in bfloat16 on a CPU without native bfloat16 (AMX, AVX-512 BF16) takes
+# many minutes per test; ``--dtype auto`` serves float32 there.
+needs_native_bf16 = pytest.mark.skipif(
+    not loader.cpu_has_native_bf16(),
+    reason="no native bfloat16 on this CPU: the default model in bfloat16 runs emulated",
+)
+
 
 def hf_bf16_last_logits(model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
@@ -109,6 +122,7 @@ def test_bf16_batch_gives_each_sequence_its_logits_alone(bf16_pair):
         assert torch.equal(alone[one.request_id], together[one.request_id]), one.request_id
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576)])
 def test_a_bf16_product_gives_each_row_its_result_alone_at_any_row_count(shape):
     """oneDNN sums a row of a larger bfloat16 product in another order (on AMX); the pieces of
@@ -125,6 +139,7 @@ def test_a_bf16_product_gives_each_row_its_result_alone_at_any_row_count(shape):
         assert torch.equal(packed_linear(x[:rows], packed), alone[:rows]), rows
 
 
+@needs_native_bf16
 def test_bf16_greedy_tokens_alone_equal_batched_with_the_default_model():
     """The bundled model in bfloat16, 40 prompts at once (decode steps of more rows than
     ``BATCH_INVARIANT_ROWS``, prefills split over steps) against each prompt alone."""
@@ -170,6 +185,7 @@ def test_bf16_a_token_gets_its_logits_however_its_prompt_was_prefilled(bf16_pair
         assert torch.equal(whole, decoded), seed
 
 
+@needs_native_bf16
 def test_bf16_second_turn_equals_a_fresh_prefill_with_the_default_model():
     """An agent's second turn reuses the first turn's cached blocks, generated tokens
     included (their KV computed by decode steps); its greedy tokens equal those of the same

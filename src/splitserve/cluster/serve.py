@@ -127,8 +127,6 @@ def serve(
         env["SPLITSERVE_API_KEYS"] = os.path.abspath(api_keys_file)
     if not tls:
         return _serve(host, port, model, worker_args, env, ready_timeout, topology, None)
-    if topology.engine != "builtin":
-        raise ValueError("--tls serves the builtin engine's workers only (not --engine vllm)")
     from splitserve.cluster.tls import private_tls
 
     files = private_tls([host])

@@ -87,10 +87,19 @@ class VllmWorkerSpec:
     log_level: str = "warning"
     extra_args: list[str] = field(default_factory=list)
     nixl: NixlSide | None = None  # set: a member of a P/D deployment
+    ssl_certfile: str | None = None  # set with ssl_keyfile: vLLM serves HTTPS
+    ssl_keyfile: str | None = None
+    ca: str | None = None  # what its own HTTPS health checks trust
 
     def __post_init__(self) -> None:
         if not self.kv_cache_gb > 0:
             raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.ssl_certfile is None else "https"
         if self.cpus is not None:
             parse_cpus(self.cpus)
 
@@ -156,6 +165,8 @@ def vllm_argv(python: str, spec: VllmWorkerSpec) -> list[str]:
             argv += [flag, str(value)]
     if spec.nixl is not None:
         argv += ["--kv-transfer-config", spec.nixl.transfer_config()]
+    if spec.ssl_certfile is not None:
+        argv += ["--ssl-certfile", spec.ssl_certfile, "--ssl-keyfile", str(spec.ssl_keyfile)]
     return argv + list(spec.extra_args)
 
 
@@ -190,11 +201,11 @@ class VllmProcess:
             self.argv, env=self.env, start_new_session=True, preexec_fn=die_with_parent
         )
 
-    def wait_ready(self, url: str, stop: StopFlag) -> bool:
+    def wait_ready(self, url: str, stop: StopFlag, ca: str | None = None) -> bool:
         """Until vLLM answers ``url/health``: True, or False once it exited or ``stop`` is set."""
         assert self.proc is not None
         while self.proc.poll() is None and not stop.is_set():
-            if healthy(url):
+            if healthy(url, ca=ca):
                 return True
             stop.wait(POLL_S)
         return False
@@ -254,7 +265,7 @@ def _restore_binding(proc: VllmProcess, spec: VllmWorkerSpec, stop: StopFlag) ->
     assert proc.proc is not None and spec.cpus is not None
     inherited = os.sched_getaffinity(0)  # what vLLM's processes start with, left as it is
     host = "127.0.0.1" if spec.host in ("0.0.0.0", "::") else spec.host
-    if not proc.wait_ready(f"http://{host}:{spec.port}", stop):
+    if not proc.wait_ready(f"{spec.scheme}://{host}:{spec.port}", stop, spec.ca):
         return
     cores = set(parse_cpus(spec.cpus))
     moved = rebind_strays(proc.proc.pid, cores, inherited)

@@ -96,7 +96,8 @@ class Linear(nn.Module):
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` ``[out, in]`` reordered once into oneDNN's blocked layout, or ``None`` where
-    torch has no oneDNN or the weight is not on CPU.
+    torch has no oneDNN, the weight is not on CPU, or oneDNN cannot compute bfloat16 on this
+    CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; torch's own kernels do it elsewhere).
 
     A plain ``F.linear`` on CPU reorders the weight for oneDNN (bfloat16) or runs MKL on the
     plain layout (float32) on every call; the blocked copy runs the same products 1.3-2x faster
@@ -106,6 +107,8 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
     if weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
 
