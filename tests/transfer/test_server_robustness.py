@@ -42,6 +42,7 @@ def frame(msg: int, meta: bytes = b"", payload_len: int = 0, version: int = VERS
         frame(Msg.PULL, pack_pull("req-1", [0, 1])),  # skips the handshake
         frame(Msg.AUTH, os.urandom(64)),  # a guessed proof
     ],
+    ids=["random", "magic-then-ff", "absurd-length", "pull-before-auth", "guessed-proof"],
 )
 def test_garbage_ends_only_that_connection(make_peer, garbage: bytes) -> None:
     peer = make_peer("tcp")
