@@ -148,10 +148,12 @@ def cmd_kv_rotate(args: argparse.Namespace) -> int:
 def cmd_kv_reencrypt(args: argparse.Namespace) -> int:
     from splitserve.kvstore import load_keyring
     from splitserve.kvstore.reseal import ResealReport, reseal_directory
+    from splitserve.worker.saved_responses import reseal_responses
 
     ring = load_keyring(args.kv_encryption_key_file)
     for directory in args.directory:
-        r = reseal_directory(directory, ring)
+        responses: list[ResealReport] = []
+        r = reseal_directory(directory, ring, _collect(responses, reseal_responses))
         if r == ResealReport() and any(Path(directory).glob("*/[0-9a-f][0-9a-f]/*.kvb")):
             raise ValueError(
                 f"{directory} holds no block files, its subdirectories do (serve gives each "
@@ -162,7 +164,18 @@ def cmd_kv_reencrypt(args: argparse.Namespace) -> int:
             f"{r.already_current} already were, {r.missing_key} sealed with keys not in the "
             f"key file and {r.unreadable} unreadable left as they are (misses)"
         )
+        s = responses[0]
+        if s != ResealReport():
+            print(
+                f"{directory}: {s.resealed} stored responses re-sealed, {s.already_current} "
+                f"already were, {s.missing_key + s.unreadable} that cannot be opened left"
+            )
     return 0
+
+
+def _collect(sink: list, fn):
+    """``fn`` as reseal_directory's ``also``, its result appended to ``sink``."""
+    return lambda directory, ring: sink.append(fn(directory, ring))
 
 
 def cmd_kv_drop_key(args: argparse.Namespace) -> int:

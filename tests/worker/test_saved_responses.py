@@ -71,3 +71,43 @@ def test_deleting_a_response_or_erasing_its_tenant_deletes_it_on_disk(tmp_path):
     after = store(tmp_path)
     assert after.get("A", "resp_2") is None and after.get("B", "resp_3") is not None
     assert len(list((tmp_path / RESPONSES_DIR).iterdir())) == 1  # A's directory is gone
+
+
+def test_kv_reencrypt_reseals_stored_responses_so_the_old_key_can_go(tmp_path, capsys):
+    import os
+
+    from splitserve.cli import main
+    from splitserve.kvstore import load_keyring
+
+    key_file = tmp_path / "kv.key"
+    key_file.write_bytes(os.urandom(32))
+    os.chmod(key_file, 0o600)
+    disk = tmp_path / "disk"
+    store(disk, ring=load_keyring(key_file)).put("A", record(1))
+    assert main(["kv", "rotate", str(key_file)]) == 0
+    old = [k for k in load_keyring(key_file).keys if k != load_keyring(key_file).current][0]
+    store(disk, ring=load_keyring(key_file)).put("A", record(2))  # under the new key
+    capsys.readouterr()
+    assert main(["kv", "reencrypt", str(disk), "--kv-encryption-key-file", str(key_file)]) == 0
+    assert "1 stored responses re-sealed, 1 already were" in capsys.readouterr().out
+    assert main(["kv", "drop-key", str(key_file), old.hex()]) == 0
+    after = store(disk, ring=load_keyring(key_file))
+    assert after.get("A", "resp_1") == record(1) and after.get("A", "resp_2") == record(2)
+
+
+def test_a_response_sealed_by_the_previous_format_still_opens(tmp_path):
+    # Sealed with the response id, not the file name, as associated data.
+    import json
+
+    from splitserve.kvstore.keyring import new_nonce
+    from splitserve.kvstore.owner_log import tenant_digest
+    from splitserve.worker import saved_responses as saved
+
+    ring = KeyRing.of(KEY)
+    store(tmp_path, ring=ring).put("A", record(1))
+    [path] = [p for p in (tmp_path / RESPONSES_DIR).rglob("*") if p.is_file()]
+    plain = json.dumps(store(tmp_path, ring=ring).saved.load("A", "resp_1")).encode()
+    nonce, owner = new_nonce(), tenant_digest("A")
+    body = ring.seal(nonce, plain, saved._legacy_aad(owner, "resp_1"))
+    path.write_bytes(saved.SEALED + ring.current + nonce + body)
+    assert store(tmp_path, ring=ring).get("A", "resp_1") == record(1)

@@ -14,6 +14,7 @@ a worker holds it (a worker that starts meanwhile waits until re-sealing is done
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +41,13 @@ class ResealReport:
     unreadable: int = 0  # corrupt or of another format: left, a miss (or dropped at a scan)
 
 
-def reseal_directory(directory: str | Path, ring: KeyRing) -> ResealReport:
-    """Re-seal every block file under ``directory`` with ``ring.current``.
+def reseal_directory(
+    directory: str | Path,
+    ring: KeyRing,
+    also: Callable[[Path, KeyRing], None] | None = None,
+) -> ResealReport:
+    """Re-seal every block file under ``directory`` with ``ring.current``; ``also``: what
+    else lives in the directory and is re-sealed under the same lock (stored responses).
 
     Raises ``ValueError`` when the directory is not a disk tier's or a worker holds it."""
     directory = Path(directory)
@@ -58,6 +64,8 @@ def reseal_directory(directory: str | Path, ring: KeyRing) -> ResealReport:
     with lock:
         for path in sorted(directory.glob(f"[0-9a-f][0-9a-f]/*{SUFFIX}")):
             _reseal_file(path, ring, report)
+        if also is not None:
+            also(directory, ring)
     return report
 
 

@@ -7,8 +7,9 @@ conversation, and the chain's KV, which the disk tier kept, is read back instead
     <disk dir>/responses/<xxh3-128(tenant) hex>/<xxh3-128(response id) hex>
         '{...}'                        the record as JSON: id, chain, body, context
         0x01 | key id | nonce | AES-GCM(JSON)   sealed with the disk tier's current key when
-                                       it has one (the tenant's digest and the id as
-                                       associated data: a file cannot be moved to another)
+                                       it has one (the tenant's digest and the file's
+                                       name as associated data: a file cannot be moved to
+                                       another; ``kv reencrypt`` re-seals it in place)
 
 Names appear only as digests, as in the owner log. A file's modification time orders its
 tenant's files by use (a read touches it). Bounds, per tenant: at most ``max_per_tenant``
@@ -31,6 +32,7 @@ import xxhash
 from splitserve.kvstore.disk import write_atomic
 from splitserve.kvstore.keyring import KEY_ID_BYTES, NONCE_BYTES, KeyRing, SealError, new_nonce
 from splitserve.kvstore.owner_log import tenant_digest
+from splitserve.kvstore.reseal import ResealReport
 
 RESPONSES_DIR = "responses"
 DEFAULT_MAX_BYTES = 64 * 2**20  # per tenant
@@ -65,12 +67,10 @@ class SavedResponses:
         """Keep ``record`` (replacing one of the same id), then drop what the bounds exclude."""
         owner = tenant_digest(tenant)
         raw = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
-        if self.ring is not None:
-            nonce = new_nonce()
-            sealed = self.ring.seal(nonce, raw, _aad(owner, record["id"]))
-            raw = SEALED + self.ring.current + nonce + sealed
-        index = self._tenant(owner)
         name = _name(record["id"])
+        if self.ring is not None:
+            raw = _seal(self.ring, raw, owner, name)
+        index = self._tenant(owner)
         folder = self.directory / owner.hex()
         folder.mkdir(parents=True, exist_ok=True)
         write_atomic(folder / name, raw, self._fsync, mode=0o600)
@@ -152,15 +152,61 @@ class SavedResponses:
     def _open(self, raw: bytes, owner: bytes, response_id: str) -> bytes:
         if self.ring is None:
             raise SealError("sealed, and this worker has no key", True)
-        kid = raw[1 : 1 + KEY_ID_BYTES]
-        nonce = raw[1 + KEY_ID_BYTES : 1 + KEY_ID_BYTES + NONCE_BYTES]
-        body = raw[1 + KEY_ID_BYTES + NONCE_BYTES :]
-        return self.ring.open(kid, nonce, body, _aad(owner, response_id))
+        try:
+            return _open(self.ring, raw, owner, _name(response_id))
+        except SealError:  # sealed before the name was the associated data
+            return _open(self.ring, raw, owner, _name(response_id), _legacy_aad(owner, response_id))
+
+
+def reseal_responses(disk_dir: Path, ring: KeyRing) -> ResealReport:
+    """Re-seal the stored responses in a disk tier's directory with ``ring.current`` (for
+    ``kv reencrypt``, which holds the directory's lock); plaintext ones are sealed too, one
+    that cannot be opened is left (a worker deletes it as forgotten)."""
+    report = ResealReport()
+    for path in sorted((Path(disk_dir) / RESPONSES_DIR).glob("*/*")):
+        if not path.is_file() or path.name.startswith("."):
+            continue
+        try:
+            owner, raw, st = bytes.fromhex(path.parent.name), path.read_bytes(), os.stat(path)
+            if raw[:1] != SEALED:
+                json.loads(raw)  # a plaintext record: sealed as it is
+            elif raw[1 : 1 + KEY_ID_BYTES] == ring.current:
+                report.already_current += 1
+                continue
+            else:
+                raw = _open(ring, raw, owner, path.name)
+        except SealError as e:
+            report.missing_key += e.missing_key
+            report.unreadable += not e.missing_key
+            continue
+        except (OSError, ValueError):
+            report.unreadable += 1
+            continue
+        write_atomic(path, _seal(ring, raw, owner, path.name), True, mode=0o600)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        report.resealed += 1
+    return report
+
+
+def _seal(ring: KeyRing, raw: bytes, owner: bytes, name: str) -> bytes:
+    nonce = new_nonce()
+    return SEALED + ring.current + nonce + ring.seal(nonce, raw, _aad(owner, name))
+
+
+def _open(ring: KeyRing, raw: bytes, owner: bytes, name: str, aad: bytes | None = None) -> bytes:
+    kid = raw[1 : 1 + KEY_ID_BYTES]
+    nonce = raw[1 + KEY_ID_BYTES : 1 + KEY_ID_BYTES + NONCE_BYTES]
+    body = raw[1 + KEY_ID_BYTES + NONCE_BYTES :]
+    return ring.open(kid, nonce, body, _aad(owner, name) if aad is None else aad)
 
 
 def _name(response_id: str) -> str:
     return xxhash.xxh3_128(response_id.encode()).hexdigest()
 
 
-def _aad(owner: bytes, response_id: str) -> bytes:
+def _aad(owner: bytes, name: str) -> bytes:
+    return b"splitserve-response\1" + owner + name.encode()
+
+
+def _legacy_aad(owner: bytes, response_id: str) -> bytes:
     return b"splitserve-response\0" + owner + response_id.encode()
