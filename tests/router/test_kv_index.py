@@ -352,16 +352,28 @@ def emit_each(pub: EventPublisher, *events) -> None:
             time.sleep(0.002)
 
 
+@contextlib.asynccontextmanager
+async def behind_a_lossy_link(**publisher):
+    """A replaying publisher, a lossy hop, and an index subscribed through the hop (and to
+    the publisher's replay endpoint), past the first batches: ``(pub, link, index)``."""
+    pub = replaying_publisher(**publisher)
+    link = LossyLink(pub.endpoint, drop=set())
+    index = KVIndex()
+    subscriber = KVEventSubscriber(index, {W1: f"{link.endpoint},{pub.replay_endpoint}"})
+    subscriber.start()
+    try:
+        await until_joined(pub, lambda: W1 in index.workers, "the first batch")
+        await settled(pub, index)
+        yield pub, link, index
+    finally:
+        await subscriber.stop()
+        await link.close()
+        pub.close()
+
+
 def test_a_gap_is_filled_from_the_workers_replay():
     async def scenario() -> None:
-        pub = replaying_publisher()
-        link = LossyLink(pub.endpoint, drop=set())
-        index = KVIndex()
-        subscriber = KVEventSubscriber(index, {W1: f"{link.endpoint},{pub.replay_endpoint}"})
-        subscriber.start()
-        try:
-            await until_joined(pub, lambda: W1 in index.workers, "the first batch")
-            await settled(pub, index)
+        async with behind_a_lossy_link() as (pub, link, index):
             first, replayed = pub.batches_sent, index.stats.replayed
             link.drop.update(range(first, first + 3))  # the three stored runs are lost
             emit_each(pub, stored([901], None, 0), stored([902], 901, 1), stored([903], 902, 2))
@@ -369,24 +381,13 @@ def test_a_gap_is_filled_from_the_workers_replay():
             await until(lambda: held(index) == set(OURS[:4]), what="all four blocks")
             assert (index.stats.gaps, index.stats.replayed - replayed) == (0, 3)
             assert not set(link.forwarded) & link.drop
-        finally:
-            await subscriber.stop()
-            await link.close()
-            pub.close()
 
     asyncio.run(scenario())
 
 
 def test_a_gap_past_what_the_worker_keeps_forgets_the_rest():
     async def scenario() -> None:
-        pub = replaying_publisher(replay_buffer=2)
-        link = LossyLink(pub.endpoint, drop=set())
-        index = KVIndex()
-        subscriber = KVEventSubscriber(index, {W1: f"{link.endpoint},{pub.replay_endpoint}"})
-        subscriber.start()
-        try:
-            await until_joined(pub, lambda: W1 in index.workers, "the first batch")
-            await settled(pub, index)
+        async with behind_a_lossy_link(replay_buffer=2) as (pub, link, index):
             emit_each(pub, stored([901], None, 0))
             await until(lambda: held(index) == {OURS[0]}, what="the first block")
             first = pub.batches_sent
@@ -397,10 +398,6 @@ def test_a_gap_past_what_the_worker_keeps_forgets_the_rest():
             await until(lambda: index.expected(W1) == first + 3, what="the live batch")
             # Forgotten, then relearned from the kept batch: 903's parent is unknown.
             assert held(index) == set() and index.stats.orphans == 1
-        finally:
-            await subscriber.stop()
-            await link.close()
-            pub.close()
 
     asyncio.run(scenario())
 
