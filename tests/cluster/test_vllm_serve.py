@@ -23,6 +23,7 @@ import pytest
 from procs import die_with_parent, free_port, stop_group
 
 from splitserve.cluster.vllm_worker import find_vllm_python
+from splitserve.common.responses_api import chain_of
 
 try:
     find_vllm_python()
@@ -231,6 +232,36 @@ def _wait_for_events(url: str, worker: str, usage: dict, timeout: float = 30.0) 
             return
         time.sleep(0.1)
     raise TimeoutError(f"the router did not index {blocks} blocks of {worker}")
+
+
+def test_a_response_chain_stays_on_its_vllm_worker(deployment):
+    # The router names each vLLM response by its chain (vLLM's request_id), so a later turn
+    # lands where the chain's stored response and KV are; any replica can fetch it.
+    url, _ = deployment
+    client = _client(url)
+    homes = set()
+    previous = None
+    for turn, text in enumerate(("My name is Ada. Say OK.", "What is my name?", "Spell it.")):
+        raw = client.responses.with_raw_response.create(
+            model=MODEL,
+            input=text,
+            previous_response_id=previous,
+            max_output_tokens=8,
+            temperature=0,
+            store=True,
+        )
+        reply = raw.parse()
+        finished = reply.status == "completed" or (
+            reply.incomplete_details.reason == "max_output_tokens"
+        )
+        assert finished and reply.output_text, (turn, reply)
+        homes.add(raw.headers["x-splitserve-decode-worker"])
+        assert chain_of(reply.id) == (chain_of(previous) if previous else chain_of(reply.id))
+        assert chain_of(reply.id) is not None, reply.id  # named by the router, not by vLLM
+        previous = reply.id
+    assert len(homes) == 1
+    fetched = httpx.get(f"{url}/v1/responses/{previous}", headers=AUTH, timeout=30)
+    assert fetched.status_code == 200 and fetched.json()["id"] == previous
 
 
 def test_tenants_never_share_vllms_prefix_cache(deployment):

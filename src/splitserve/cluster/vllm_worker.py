@@ -177,6 +177,9 @@ def vllm_env(spec: VllmWorkerSpec) -> dict[str, str]:
     env["VLLM_NO_USAGE_STATS"] = "1"
     env["DO_NOT_TRACK"] = "1"
     env["HF_HUB_OFFLINE"] = "1"  # a local directory: nothing to fetch, ever
+    # /v1/responses with store and previous_response_id, as clients of the API expect
+    # (vLLM keeps stored responses in memory; set it to 0 to turn storing off).
+    env.setdefault("VLLM_ENABLE_RESPONSES_API_STORE", "1")
     env["TRANSFORMERS_OFFLINE"] = "1"
     if spec.cpus is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpus

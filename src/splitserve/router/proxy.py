@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from splitserve.common.kv_salts import KVSalts
+from splitserve.common.responses_api import CHAIN_HEADER, chain_of, response_id
 from splitserve.common.tenants import DEFAULT_TENANT, Tenants
 from splitserve.router import disagg
 from splitserve.router.body import forwarded
@@ -148,8 +149,11 @@ class Proxy:
         forwarding = self._place(client_headers, body, timeline, principal)
         forwarding.tenant = principal
         responses = keyed_by_chain(path)
+        added: dict[str, Any] = {}  # the router's fields in the forwarded body
         if responses:  # keyed by its response chain instead (``session.chain_key``)
-            self._place_chain(forwarding, body, headers)
+            chain = self._place_chain(forwarding, body, headers)
+            if vllm and chain is not None:  # vLLM's own field, which becomes the response id
+                added["request_id"] = response_id(chain)
         if admission is not None:
             admission.admit(forwarding.info.session_key)
         decision = self._decide(forwarding)
@@ -165,7 +169,6 @@ class Proxy:
             self.hints.send(decode, body, headers, principal)
         if self.rules.disaggregate and not responses:
             await self.prefill_leg.run(path, body, headers, forwarding, decision)
-        added: dict[str, Any] = {}  # the router's fields in the forwarded body
         if forwarding.kv_params is not None:
             added.update(disagg.decode_fields(forwarding.kv_params))
         elif decision.peer is not None and decision.peer.healthy and not responses:
@@ -256,13 +259,18 @@ class Proxy:
 
     def _place_chain(
         self, forwarding: Forwarding, body: dict[str, Any], headers: dict[str, str]
-    ) -> None:
-        """Key a Responses request by its chain, naming a first turn's new chain to the worker."""
+    ) -> str | None:
+        """Key a Responses request by its chain, naming a first turn's new chain to the
+        worker; the chain (None for a previous response this router's workers did not make).
+
+        A vLLM worker names a response by the request's ``request_id``: the router makes it
+        a response id of the chain, so every turn of a chain lands on one vLLM worker too."""
         key, named = chain_key(body)
         headers.update(named)
         forwarding.info = dataclasses.replace(forwarding.info, session_key=key.key)
         ring = self._home_ring.sync([w for w in self.membership.all() if w.serves("decode")])
         forwarding.home = ring.owner(key.key)
+        return named.get(CHAIN_HEADER) or chain_of(str(body.get("previous_response_id") or ""))
 
     def _predicted(self, worker: Worker, info: RequestInfo) -> tuple[str, int] | None:
         index = getattr(self.policies["decode"], "index", None)  # the kv-events policy's
