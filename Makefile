@@ -65,14 +65,8 @@ $(LLAMACPP_STAMP): Makefile
 serve: $(STAMP)
 	$(BIN)/splitserve serve --host 127.0.0.1 --port 8000
 
-# The Ray cluster tests (~7 min, mostly waiting on Ray and on workers joining) run beside the
-# rest; their output follows the rest's. Both must pass.
-RAY_TESTS := tests/cluster/test_ray.py
 test: $(STAMP)
-	@$(BIN)/python -m pytest -q -m "not timing" $(RAY_TESTS) > $(VENV)/test-ray.log 2>&1 & ray=$$!; \
-	$(BIN)/python -m pytest -q -m "not timing" --ignore=$(RAY_TESTS) tests; rest=$$?; \
-	wait $$ray; ray_rc=$$?; echo "---- $(RAY_TESTS) (run beside the rest) ----"; \
-	cat $(VENV)/test-ray.log; test $$rest -eq 0 -a $$ray_rc -eq 0
+	$(BIN)/python -m pytest -q -m "not timing" tests
 
 # The tests against real vLLM workers (make test runs them too, when .venv-vllm exists).
 test-vllm: $(STAMP) $(VLLM_STAMP)
