@@ -49,6 +49,8 @@ def test_cpu_lists_parse_or_fail_clearly():
             parse_cpus(bad)
     with pytest.raises(ValueError, match="--kv-cache-gb must be > 0"):
         VllmWorkerSpec("/m", "n", kv_cache_gb=0)
+    with pytest.raises(ValueError, match="--cpus takes core ids"):
+        VllmWorkerSpec("/m", "n", cpus="1-x")
 
 
 def test_serve_gives_each_vllm_worker_cores_of_its_own(monkeypatch):

@@ -96,12 +96,12 @@ class VllmWorkerSpec:
             raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+        if self.cpus is not None:
+            parse_cpus(self.cpus)
 
     @property
     def scheme(self) -> str:
         return "http" if self.ssl_certfile is None else "https"
-        if self.cpus is not None:
-            parse_cpus(self.cpus)
 
 
 def repo_root() -> Path:
