@@ -116,9 +116,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    lora_args(args)  # LoRA adapters need vLLM
     if args.engine == "vllm":
         return run_vllm_worker_from_args(args)
+    lora_args(args)  # refused: the builtin engine runs no LoRA
     from splitserve.config import EngineConfig
     from splitserve.worker.main import run_worker
 
@@ -235,7 +235,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from splitserve.config import EngineConfig
 
     topology = serve_topology(args)
-    lora_args(args)  # LoRA adapters need vLLM
+    lora_args(args)  # refused for builtin; a bad adapter fails here, not in every worker
     tier_config(args)  # bad tier flags fail here, not in every worker
     EngineConfig.from_kwargs(**_engine_options(args))  # and bad engine options
     api_key = args.api_key or os.environ.get("SPLITSERVE_API_KEY") or None

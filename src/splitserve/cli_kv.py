@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 
 from splitserve.common.protocol import DEFAULT_KV_PEER_TIMEOUT_S as DEFAULT_PEER_TIMEOUT_S
@@ -152,8 +153,8 @@ def cmd_kv_reencrypt(args: argparse.Namespace) -> int:
 
     ring = load_keyring(args.kv_encryption_key_file)
     for directory in args.directory:
-        responses: list[ResealReport] = []
-        r = reseal_directory(directory, ring, _collect(responses, reseal_responses))
+        s = ResealReport()  # the stored responses'
+        r = reseal_directory(directory, ring, functools.partial(reseal_responses, report=s))
         if r == ResealReport() and any(Path(directory).glob("*/[0-9a-f][0-9a-f]/*.kvb")):
             raise ValueError(
                 f"{directory} holds no block files, its subdirectories do (serve gives each "
@@ -164,18 +165,12 @@ def cmd_kv_reencrypt(args: argparse.Namespace) -> int:
             f"{r.already_current} already were, {r.missing_key} sealed with keys not in the "
             f"key file and {r.unreadable} unreadable left as they are (misses)"
         )
-        s = responses[0]
         if s != ResealReport():
             print(
                 f"{directory}: {s.resealed} stored responses re-sealed, {s.already_current} "
                 f"already were, {s.missing_key + s.unreadable} that cannot be opened left"
             )
     return 0
-
-
-def _collect(sink: list, fn):
-    """``fn`` as reseal_directory's ``also``, its result appended to ``sink``."""
-    return lambda directory, ring: sink.append(fn(directory, ring))
 
 
 def cmd_kv_drop_key(args: argparse.Namespace) -> int:

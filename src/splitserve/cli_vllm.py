@@ -187,8 +187,7 @@ def serve_vllm_args(args: argparse.Namespace) -> list[str]:
     out = ["--engine", "vllm", "--dtype", args.dtype, "--kv-cache-gb", str(args.kv_cache_gb)]
     if args.vllm_python:
         out += ["--vllm-python", args.vllm_python]
-    if args.lora_modules:
-        lora_args(args)  # a bad adapter fails here, not in every worker
+    if args.lora_modules:  # checked once by ``cmd_serve``, before any worker starts
         out += ["--lora-modules", *args.lora_modules]
     for flag, value in (
         ("--threads", args.threads),

@@ -158,11 +158,14 @@ class SavedResponses:
             return _open(self.ring, raw, owner, _name(response_id), _legacy_aad(owner, response_id))
 
 
-def reseal_responses(disk_dir: Path, ring: KeyRing) -> ResealReport:
+def reseal_responses(
+    disk_dir: Path, ring: KeyRing, report: ResealReport | None = None
+) -> ResealReport:
     """Re-seal the stored responses in a disk tier's directory with ``ring.current`` (for
-    ``kv reencrypt``, which holds the directory's lock); plaintext ones are sealed too, one
-    that cannot be opened is left (a worker deletes it as forgotten)."""
-    report = ResealReport()
+    ``kv reencrypt``, which holds the directory's lock), counted into ``report``; plaintext
+    ones are sealed too, one that cannot be opened is left (a worker deletes it as
+    forgotten)."""
+    report = ResealReport() if report is None else report
     for path in sorted((Path(disk_dir) / RESPONSES_DIR).glob("*/*")):
         if not path.is_file() or path.name.startswith("."):
             continue
