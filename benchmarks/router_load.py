@@ -101,16 +101,20 @@ async def load_run(
     warm_body: bytes,
     warmed: Callable[[], None] = lambda: None,
     tls: ssl.SSLContext | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Run:
     """Run ``plan`` against ``url`` after a warm-up wave; ``warmed`` is called in between
     (nothing is in flight then: it may read the server's counters). ``tls``: what an
-    https:// ``url`` is verified against (its handshakes happen in the warm-up wave)."""
+    https:// ``url`` is verified against (its handshakes happen in the warm-up wave);
+    ``headers``: sent with every request (an API key)."""
     # aiohttp, as the router uses: the load generator shares a core with the worker and must
     # cost little per streamed chunk, or it, not the path under test, sets the latencies.
     # Open loop: no connection limit, so a burst of arrivals is not queued in the client.
     limit = clients if plan.starts is not None else 0
     connector = aiohttp.TCPConnector(limit=limit, ssl=True if tls is None else tls)
-    async with aiohttp.ClientSession(connector=connector, timeout=_NO_DEADLINE) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=_NO_DEADLINE, headers=headers
+    ) as session:
         origin = time.perf_counter()
         await asyncio.gather(*(one_stream(session, url, warm_body, origin) for _ in range(clients)))
         warmed()
@@ -154,11 +158,15 @@ async def _sleep_until(t: float) -> None:
 
 
 async def mean_duration(
-    url: str, clients: int, body: bytes, tls: ssl.SSLContext | None = None
+    url: str,
+    clients: int,
+    body: bytes,
+    tls: ssl.SSLContext | None = None,
+    headers: dict[str, str] | None = None,
 ) -> float:
     """One lockstep wave of ``clients`` requests: their mean duration (the calibration)."""
     plan = Plan([0.0] * clients, None, [[body]] * clients)
-    run = await load_run(url, clients, plan, body, tls=tls)
+    run = await load_run(url, clients, plan, body, tls=tls, headers=headers)
     return statistics.mean(t.total_s for t in run.timings)
 
 

@@ -27,6 +27,12 @@
    (``splitserve.cluster.tls``, as ``serve --tls``), so the client's and the worker's legs
    are both TLS, the direct path's too; the clients keep their connections alive, as the
    router does. Run it once without and once with to compare.
+   ``--secure-pair``: both in the same rounds, alternating: a plain router over a plain echo
+   worker, and a router with TLS on both legs, a keys file (each client sends a tenant's
+   key) and a cluster secret (it signs each forwarded request's tenant) over an HTTPS echo
+   worker. Each is measured against its own direct path; the report is what TLS plus the
+   tenant checks add to the router's added p99 (goal: at most 1 ms), over the whole run and
+   as the median of the per-round differences.
 2. Stickiness (``--ttft``): growing sessions of ``--turns`` turns over ``--real-workers``
    real model workers, through a router with ``--policy session`` and one with
    ``round-robin``. Reports mean TTFT of the last turn over the first (goal for sticky:
@@ -36,7 +42,7 @@
     python benchmarks/router_overhead.py [--clients 64] [--placement pinned|shared]
         [--token-interval-ms 20] [--max-tokens 32] [--arrivals lockstep|staggered|poisson]
         [--baseline-src DIR] [--peer vllm-router[:POLICY]] [--vllm-router-bin PATH]
-        [--tls] [--ttft [--no-overhead] [--kv-cache-gb G]]
+        [--tls [--signed] | --secure-pair] [--ttft [--no-overhead] [--kv-cache-gb G]]
 """
 
 from __future__ import annotations
@@ -168,6 +174,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="give the router a cluster secret: it signs each forwarded request's tenant",
     )
+    p.add_argument(
+        "--secure-pair",
+        action="store_true",
+        help="alternate a plain router and one with TLS, a keys file and tenant signatures "
+        "in the same rounds; report what the second adds to the router's p99",
+    )
     p.add_argument("--ttft", action="store_true", help="also run part 2 (real model workers)")
     p.add_argument("--no-overhead", action="store_true", help="skip part 1")
     p.add_argument("--real-workers", type=int, default=2)
@@ -183,11 +195,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--clients, --requests, --rounds and --max-tokens must be >= 1")
     if args.token_interval_ms < 0:
         p.error("--token-interval-ms must be >= 0")
-    if args.tls and (args.peer or args.baseline_src or args.worker_url):
+    if (args.tls or args.secure_pair) and (args.peer or args.baseline_src or args.worker_url):
         p.error(
-            "--tls measures this router over the echo worker: not with --peer, "
-            "--baseline-src or --worker-url"
+            "--tls and --secure-pair measure this router over the echo worker: not with "
+            "--peer, --baseline-src or --worker-url"
         )
+    if args.secure_pair and (args.tls or args.signed):
+        p.error("--secure-pair sets up both routers itself: not with --tls or --signed")
     if args.peer:
         args.vllm_router_bin = resolve_binary(args.vllm_router_bin)
     return args
@@ -311,11 +325,13 @@ def router(
     profile: Path | None = None,
     tls: DeploymentTLS | None = None,
     signed: bool = False,
+    api_keys: Path | None = None,
 ) -> Proc:
     """A router process; ``src``: import splitserve from that directory instead;
     ``profile``: run it under cProfile, the stats written there when it stops; ``tls``:
     serving HTTPS, and verifying https:// workers against its CA; ``signed``: with a
-    cluster secret, so it signs every forwarded request's tenant (``common/tenants.py``)."""
+    cluster secret, so it signs every forwarded request's tenant (``common/tenants.py``);
+    ``api_keys``: authenticating clients by that keys file (needs ``signed``)."""
     port = free_port()
     env = None if src is None else {**os.environ, "PYTHONPATH": str(src.resolve())}
     if signed:
@@ -335,6 +351,7 @@ def router(
         "--log-level",
         "warning",
         *([] if tls is None else tls.server_args()),
+        *([] if api_keys is None else ["--api-keys", str(api_keys)]),
     ]
     proc = Proc(argv, port, cpus, env, tls=_verify(tls))
     if profile is not None:
@@ -379,6 +396,9 @@ def measure_overhead(
         f"placement: router on {router_cpus or 'any'}, clients and worker on {other_cpus or 'any'}"
     )
     interval = args.token_interval_ms / 1e3
+    if args.secure_pair:
+        measure_secure_pair(args, router_cpus, other_cpus, interval)
+        return
     tls = private_tls() if args.tls else None
     try:
         measure_fronts(args, router_cpus, other_cpus, interval, tls)
@@ -427,14 +447,107 @@ def measure_fronts(
         pstats.Stats(str(args.profile)).sort_stats("tottime").print_stats(30)
 
 
+def measure_secure_pair(
+    args: argparse.Namespace,
+    router_cpus: set[int] | None,
+    other_cpus: set[int] | None,
+    interval: float,
+) -> None:
+    """A plain router and a TLS + keys file + signing one, each over its own echo worker,
+    alternating round by round on the identical plan."""
+    tls = private_tls()
+    keys = Path(tls.ca).parent / "bench-keys.json"
+    key = "sk-bench-" + os.urandom(8).hex()
+    keys.write_text(json.dumps([{"key": key, "tenant": "bench"}]))
+    print("legs: plain HTTP, and HTTPS (TLS 1.3, a private CA) with a keys file and signatures")
+    procs: list[Proc] = []
+    try:
+        plain_worker = echo_worker(other_cpus, interval)
+        procs.append(plain_worker)
+        secure_worker = echo_worker(other_cpus, interval, tls)
+        procs.append(secure_worker)
+        plain = router([plain_worker.url], cpus=router_cpus)
+        procs.append(plain)
+        secure = router([secure_worker.url], cpus=router_cpus, tls=tls, signed=True, api_keys=keys)
+        procs.append(secure)
+        plain.wait_ready()
+        secure.wait_ready()
+        setups = {
+            "plain": (plain_worker.url, plain, None, None),
+            "secure": (secure_worker.url, secure, _verify(tls), {"authorization": f"Bearer {key}"}),
+        }
+        runs: dict[str, dict[str, list[Run]]] = {n: {"direct": [], "router": []} for n in setups}
+        cpu = dict.fromkeys(setups, (0.0, 0.0))
+        for _ in range(args.rounds):
+            for name, (url, front, verify, headers) in setups.items():
+                got, cpu_s, _ = measure_paths(args, url, {"router": front}, verify, 1, headers)
+                for path in ("direct", "router"):
+                    runs[name][path] += got[path]
+                cpu[name] = (cpu[name][0] + cpu_s["router"][0], cpu[name][1] + cpu_s["router"][1])
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        tls.remove()
+    routed = args.rounds * args.clients * args.requests
+    for name in setups:
+        print(f"\n{name}:")
+        per_request = {"router": (cpu[name][0] / routed, cpu[name][1] / routed)}
+        report_overhead(runs[name], per_request)
+    report_secure_pair(runs)
+    if args.profile is not None:
+        print(f"\nsecure router profile ({args.profile}), by own time:")
+        pstats.Stats(str(args.profile)).sort_stats("tottime").print_stats(30)
+
+
+def _added_p99(direct: list[Run], routed: list[Run], first: bool = False) -> float:
+    """The router's p99 over the direct path's, ms (end to end, or to the first chunk)."""
+
+    def p99(rs: list[Run]) -> float:
+        return pct([t.first_s if first else t.total_s for r in rs for t in r.timings], 99)
+
+    return (p99(routed) - p99(direct)) * 1e3
+
+
+def report_secure_pair(runs: dict[str, dict[str, list[Run]]]) -> None:
+    """What TLS plus the tenant checks add to the router's added p99: whole run, and the
+    median of the per-round differences (the figure drift moves least)."""
+    whole = {n: _added_p99(r["direct"], r["router"]) for n, r in runs.items()}
+    first = {n: _added_p99(r["direct"], r["router"], first=True) for n, r in runs.items()}
+    rounds = len(runs["plain"]["router"])
+    per_round = [
+        _added_p99(runs["secure"]["direct"][i : i + 1], runs["secure"]["router"][i : i + 1])
+        - _added_p99(runs["plain"]["direct"][i : i + 1], runs["plain"]["router"][i : i + 1])
+        for i in range(rounds)
+    ]
+    paired = statistics.median(per_round)
+    print("\nTLS + keys file + signatures over plain, router's added p99 (ms):")
+    print(
+        f"  whole run: plain {whole['plain']:.2f}, secure {whole['secure']:.2f}, "
+        f"difference {whole['secure'] - whole['plain']:.2f}"
+    )
+    print(
+        f"  to first chunk: plain {first['plain']:.2f}, secure {first['secure']:.2f}, "
+        f"difference {first['secure'] - first['plain']:.2f}"
+    )
+    print(
+        f"  per round (secure - plain): median {paired:.2f} over {rounds} rounds, "
+        f"{sum(d <= 0 for d in per_round)} rounds secure no worse"
+    )
+    verdict = "met" if min(whole["secure"] - whole["plain"], paired) <= 1.0 else "NOT met"
+    print(f"goal (at most 1 ms added to p99, whole run or paired median): {verdict}")
+
+
 def measure_paths(
     args: argparse.Namespace,
     worker_url: str,
     fronts: dict[str, Proc],
     tls: ssl.SSLContext | None = None,
+    rounds: int | None = None,
+    headers: dict[str, str] | None = None,
 ):
-    """Alternate the paths ``--rounds`` times on the identical plan; (runs, router CPU
-    seconds, router phase histograms) by path. ``tls``: the clients verify HTTPS by it."""
+    """Alternate the paths ``rounds`` (default ``--rounds``) times on the identical plan;
+    (runs, router CPU seconds, router phase histograms) by path. ``tls``: the clients verify
+    HTTPS by it; ``headers``: sent with every request."""
     body = {
         "messages": [{"role": "user", "content": "hello"}],
         "stream": True,
@@ -442,14 +555,14 @@ def measure_paths(
         "temperature": 0,
     }
     warm = json.dumps(body).encode()
-    duration = asyncio.run(mean_duration(worker_url, args.clients, warm, tls))
+    duration = asyncio.run(mean_duration(worker_url, args.clients, warm, tls, headers))
     plan = make_plan(args.arrivals, args.clients, args.requests, body, duration, args.seed)
     print(f"arrivals: {args.arrivals}; one request's mean duration {duration * 1e3:.1f} ms")
     urls = {"direct": worker_url, **{k: f.url for k, f in fronts.items()}}
     runs: dict[str, list[Run]] = {name: [] for name in urls}
     cpu_s = dict.fromkeys(fronts, (0.0, 0.0))
     phases: dict[str, dict] = {name: {} for name, f in fronts.items() if f.phases}
-    for _ in range(args.rounds):
+    for _ in range(args.rounds if rounds is None else rounds):
         for name, url in urls.items():
             front = fronts.get(name)
             before: list = []
@@ -459,7 +572,7 @@ def measure_paths(
                     histograms = scrape_phases(url, tls) if front.phases else {}
                     before[:] = [front.cpu_s(), histograms]
 
-            run = load_run(url, args.clients, plan, warm, warmed, tls)
+            run = load_run(url, args.clients, plan, warm, warmed, tls, headers)
             runs[name].append(asyncio.run(run))
             if front is not None:
                 (cpu, system), (cpu0, system0) = front.cpu_s(), before[0]

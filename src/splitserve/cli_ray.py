@@ -121,10 +121,6 @@ def ray_plan(
     """The ``RayPlan`` of ``serve --ray``'s arguments (bad combinations: ValueError)."""
     from splitserve.cluster.ray_plan import RayPlan
 
-    if args.tls:
-        raise ValueError("--tls is not available with --ray yet")
-    if keys_file and topology.engine == "vllm":
-        raise ValueError("--api-keys with --engine vllm is not available with --ray yet")
     if not topology.decode:  # one collocated worker, behind a router like every Ray deployment
         topology.decode = 1
     env = {"SPLITSERVE_KV_SECRET": secrets.token_hex(32)}
@@ -132,6 +128,8 @@ def ray_plan(
         env["SPLITSERVE_API_KEY"] = api_key
     if keys_file:
         env["SPLITSERVE_API_KEYS"] = os.path.abspath(keys_file)  # the same path on every node
+        if topology.engine == "vllm":  # vLLM takes one key, which only the routers hold
+            env["SPLITSERVE_API_KEY"] = secrets.token_urlsafe(32)
     cpus = args.cpus_per_worker or topology.threads_per_worker or 1
     return RayPlan(
         topology=topology,
@@ -147,6 +145,7 @@ def ray_plan(
         ready_timeout=args.ready_timeout,
         autoscale=_autoscale_args(args, topology),
         autoscale_interval=args.autoscale_interval,
+        tls=args.tls,
     )
 
 

@@ -1,5 +1,6 @@
 """``splitserve serve --ray`` on a real two-node Ray cluster (tests/ray_nodes.py): placement
-by label and spread, the OpenAI API through two router replicas, P/D across nodes, and,
+by label and spread, the OpenAI API through two router replicas, P/D across nodes, every HTTP
+leg over TLS by the deployment's own CA (``--tls``), and,
 under a steady load of streamed session turns, a killed worker, a killed router replica,
 scaling up and down and a lost node, with no failed request; then an autoscaled deployment
 placing by KV events."""
@@ -10,6 +11,7 @@ import json
 import os
 import queue
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -28,8 +30,16 @@ HEAD, NODE_B = "127.0.0.2", "127.0.0.3"
 
 
 class Deployment:
-    def __init__(self, cluster, launcher, routers: list[str], name: str = "splitserve"):
+    def __init__(
+        self,
+        cluster,
+        launcher,
+        routers: list[str],
+        name: str = "splitserve",
+        verify: ssl.SSLContext | bool = True,
+    ):
         self.cluster, self.launcher, self.routers, self.name = cluster, launcher, routers, name
+        self.verify = verify  # with --tls: the deployment's CA
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         argv = [sys.executable, "-m", "splitserve.cli", "cluster", *args]
@@ -96,12 +106,15 @@ def serve(cluster: RayCluster, args: list[str], routers: int = 1):
     threading.Thread(target=lambda: [lines.put(x) for x in launcher.stdout], daemon=True).start()
     try:
         urls: list[str] = []
+        verify: ssl.SSLContext | bool = True
         while len(urls) < routers:
             line = lines.get(timeout=500)
             if "serving the OpenAI API at" in line:
                 urls.append(line.split(" at ")[1].split("/v1")[0])
+            elif "clients trust" in line:
+                verify = ssl.create_default_context(cafile=line.split("trust ")[1].split(",")[0])
         name = args[args.index("--ray-name") + 1] if "--ray-name" in args else "splitserve"
-        deployment = Deployment(cluster, launcher, urls, name)
+        deployment = Deployment(cluster, launcher, urls, name, verify)
         yield deployment
         pids = [p["pid"] for p in deployment.procs()]
         launcher.send_signal(signal.SIGTERM)
@@ -116,7 +129,7 @@ def serve(cluster: RayCluster, args: list[str], routers: int = 1):
 def deployment(cluster, tmp_path_factory):
     disk = tmp_path_factory.mktemp("disk")
     args = ["--prefill", "1", "--decode", "2", "--routers", "2", "--node-label", "prefill:pool=a"]
-    args += ["--host-kv-gb", "0.25", "--disk-kv-dir", str(disk)]
+    args += ["--host-kv-gb", "0.25", "--disk-kv-dir", str(disk), "--tls"]
     yield from serve(cluster, args, routers=2)
 
 
@@ -131,9 +144,15 @@ class Load:
     """Clients streaming two-turn sessions through the routers until stopped."""
 
     def __init__(
-        self, routers: list[str], clients: int = 2, max_tokens: int = 12, prompt: str = PROMPT
+        self,
+        routers: list[str],
+        clients: int = 2,
+        max_tokens: int = 12,
+        prompt: str = PROMPT,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
         self.routers, self.max_tokens, self.prompt = routers, max_tokens, prompt
+        self.verify = verify
         self.done, self.failures = 0, []
         self.workers: set[str] = set()
         self._stop = threading.Event()
@@ -151,7 +170,7 @@ class Load:
 
     def _run(self, client: int) -> None:
         n = 0
-        with httpx.Client(timeout=180) as http:
+        with httpx.Client(timeout=180, verify=self.verify) as http:
             while not self._stop.is_set():
                 n += 1
                 content = f"Session {client}-{n}-{time.monotonic()}. {self.prompt}"
@@ -212,7 +231,11 @@ def test_placement_by_label_and_spread(deployment):
     assert roles["prefill-0"]["node_ip"] == HEAD  # --node-label prefill:pool=a
     assert NODE_B in {w["node_ip"] for w in data["workers"]}  # the pools spread
     for p in [*data["workers"], *data["routers"]]:  # each binds its node's own address
-        assert p["url"].startswith(f"http://{p['node_ip']}:") and p["state"] == "ready"
+        assert p["url"].startswith(f"https://{p['node_ip']}:") and p["state"] == "ready"
+    for url in [deployment.routers[0], roles["decode-0"]["url"]]:  # by the deployment's CA
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(f"{url}/health", timeout=10)
+        assert httpx.get(f"{url}/health", timeout=10, verify=deployment.verify).status_code == 200
     assert {r["node_ip"] for r in data["routers"]} == {HEAD}  # routers on the head
     assert sorted(r["url"] for r in data["routers"]) == sorted(deployment.routers)
 
@@ -225,7 +248,8 @@ def test_openai_client_through_each_router_matches_offline(deployment):
     messages = [{"role": "user", "content": "Name three primary colours."}]
     expected = LLM().chat(messages, SamplingParams(max_tokens=10, temperature=0))[0].outputs[0]
     for router in deployment.routers:
-        client = OpenAI(base_url=f"{router}/v1", api_key="unused")
+        http = httpx.Client(verify=deployment.verify)
+        client = OpenAI(base_url=f"{router}/v1", api_key="unused", http_client=http)
         reply = client.chat.completions.create(
             model=client.models.list().data[0].id, messages=messages, max_tokens=10, temperature=0
         )
@@ -243,24 +267,35 @@ def test_prefill_and_decode_on_different_nodes(deployment):
         s
         for s in (f"pd-{i}" for i in range(200))
         if httpx.post(
-            f"{router}/v1/chat/completions", json=body, headers={"x-session-id": s}, timeout=60
+            f"{router}/v1/chat/completions",
+            json=body,
+            headers={"x-session-id": s},
+            timeout=60,
+            verify=deployment.verify,
         ).headers["x-splitserve-decode-worker"]
         in decode_b
     )
-    received = metric(decode_b[0], "splitserve:kv_blocks_received_total")
+    received = metric(decode_b[0], "splitserve:kv_blocks_received_total", verify=deployment.verify)
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "temperature": 0}
     r = httpx.post(
-        f"{router}/v1/chat/completions", json=body, headers={"x-session-id": session}, timeout=120
+        f"{router}/v1/chat/completions",
+        json=body,
+        headers={"x-session-id": session},
+        timeout=120,
+        verify=deployment.verify,
     )
     assert r.status_code == 200, r.text
     assert r.headers["x-splitserve-prefill-worker"].startswith(f"http://{HEAD}:")
     assert r.headers["x-splitserve-decode-worker"] == decode_b[0]
-    assert metric(decode_b[0], "splitserve:kv_blocks_received_total") > received
+    assert (
+        metric(decode_b[0], "splitserve:kv_blocks_received_total", verify=deployment.verify)
+        > received
+    )
 
 
 def test_killed_worker_is_replaced_where_it_was_and_no_request_fails(deployment):
     victim = next(w for w in deployment.procs("decode") if w["name"] == "decode-0")
-    with Load(deployment.routers) as load:
+    with Load(deployment.routers, verify=deployment.verify) as load:
         load.wait_done(2)
         os.kill(victim["pid"], signal.SIGKILL)
         procs = deployment.wait(all_ready(5, restarted=victim))
@@ -273,7 +308,7 @@ def test_killed_worker_is_replaced_where_it_was_and_no_request_fails(deployment)
 
 def test_killed_router_replica_is_replaced_and_the_other_serves_on(deployment):
     victim = next(r for r in deployment.procs("router") if r["url"] == deployment.routers[0])
-    with Load(deployment.routers[1:]) as load:
+    with Load(deployment.routers[1:], verify=deployment.verify) as load:
         load.wait_done(1)
         os.kill(victim["pid"], signal.SIGKILL)
         procs = deployment.wait(all_ready(5, restarted=victim))
@@ -281,12 +316,14 @@ def test_killed_router_replica_is_replaced_and_the_other_serves_on(deployment):
     back = next(p for p in procs if p["name"] == victim["name"])
     assert back["url"] == victim["url"] and back["pid"] != victim["pid"]
     assert load.failures == []
-    r = httpx.get(f"{victim['url']}/health", timeout=10)  # back, with the workers it had
+    r = httpx.get(
+        f"{victim['url']}/health", timeout=10, verify=deployment.verify
+    )  # back, with the workers it had
     assert r.status_code == 200 and r.json()["workers"] == 3
 
 
 def test_scale_up_then_down_under_load(deployment):
-    with Load(deployment.routers, clients=3) as load:
+    with Load(deployment.routers, clients=3, verify=deployment.verify) as load:
         load.wait_done(1)
         out = deployment.cli("scale", "--decode", "3")
         assert out.returncode == 0 and "decode 3" in out.stdout, out.stderr
@@ -307,7 +344,7 @@ def test_scale_up_then_down_under_load(deployment):
 def test_lost_node_is_replaced_elsewhere_and_no_request_fails(deployment):
     on_b = [w for w in deployment.procs() if w["node_ip"] == NODE_B]
     assert on_b
-    with Load(deployment.routers) as load:
+    with Load(deployment.routers, verify=deployment.verify) as load:
         load.wait_done(2)
         deployment.cluster.nodes[1].kill()
         procs = deployment.wait(
@@ -319,7 +356,8 @@ def test_lost_node_is_replaced_elsewhere_and_no_request_fails(deployment):
     for w in on_b:  # on the head now, at the head's address, in every router's ring
         assert moved[w["name"]]["url"].startswith(f"http://{HEAD}:")
     for router in deployment.routers:
-        assert httpx.get(f"{router}/health", timeout=10).json()["workers"] == 3
+        health = httpx.get(f"{router}/health", timeout=10, verify=deployment.verify)
+        assert health.json()["workers"] == 3
 
 
 def test_cluster_commands_refuse_bad_input(deployment):

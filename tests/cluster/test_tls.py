@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import ssl
@@ -97,3 +98,29 @@ def test_serve_tls_router_and_worker_over_https_then_removes_its_files():
         assert not os.path.exists(os.path.dirname(ca))  # the key and the CA went with it
     finally:
         stop_group(launcher)
+
+
+def test_a_deployment_ca_signs_a_certificate_per_node_that_verifies_by_its_ca():
+    from cryptography import x509
+
+    from splitserve.cluster.tls import DeploymentCA, write_private
+
+    ca = DeploymentCA()
+    for ip in ("127.0.0.2", "127.0.0.3"):
+        out = write_private(ca.issue([ip]))
+        try:
+            assert stat.S_IMODE(os.stat(out).st_mode) == 0o700
+            key = os.path.join(out, "server.key")
+            assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+            cert, cafile = os.path.join(out, "server.pem"), os.path.join(out, "ca.pem")
+            assert _handshake(cert, key, cafile, ip) == "TLSv1.3"
+            with open(cert, "rb") as f:  # named for its node alone (and loopback)
+                san = x509.load_pem_x509_certificate(f.read()).extensions.get_extension_for_class(
+                    x509.SubjectAlternativeName
+                )
+            ips = {str(a) for a in san.value.get_values_for_type(x509.IPAddress)}
+            assert ips == {ip, "127.0.0.1"}
+            with open(cafile, "rb") as f:
+                assert f.read() == ca.ca_pem  # what the controller verifies by
+        finally:
+            shutil.rmtree(out)

@@ -15,6 +15,7 @@ decision is kept with its reason.
 
 from __future__ import annotations
 
+import ssl
 import time
 from dataclasses import asdict, dataclass
 
@@ -60,11 +61,14 @@ class Decision:
         return out
 
 
-def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """The planner's counters from one worker's ``/metrics``."""
+def scrape(
+    url: str, headers: dict[str, str] | None = None, verify: ssl.SSLContext | bool = True
+) -> dict[str, float]:
+    """The planner's counters from one worker's ``/metrics``; ``verify``: what an https://
+    worker is verified against."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", headers=headers, timeout=5).text
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=5, verify=verify).text
     totals = dict.fromkeys(_COUNTERS, 0.0)
     wanted = {v: k for k, v in _COUNTERS.items()}
     for family in text_string_to_metric_families(text):
@@ -188,8 +192,15 @@ class Autoscaler:
     """The controller's planning loop: one decision per ``interval`` seconds, from scrapes of
     the workers at both ends of it; an interval in which the pools were resizing is skipped."""
 
-    def __init__(self, planner: Planner, interval: float, headers: dict[str, str]) -> None:
+    def __init__(
+        self,
+        planner: Planner,
+        interval: float,
+        headers: dict[str, str],
+        verify: ssl.SSLContext | bool = True,
+    ) -> None:
         self.planner, self.interval, self.headers = planner, interval, headers
+        self.verify = verify
         self.decisions: list[Decision] = []
         self._last: tuple[float, dict[str, dict]] | None = None
 
@@ -207,7 +218,7 @@ class Autoscaler:
         scraped = {}
         for url in workers:
             try:
-                scraped[url] = scrape(url, self.headers)
+                scraped[url] = scrape(url, self.headers, self.verify)
             except (httpx.HTTPError, ValueError):
                 pass
         last, self._last = self._last, (now, scraped)

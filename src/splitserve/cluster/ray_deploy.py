@@ -13,10 +13,15 @@ that, every second:
 
 Slot names (``decode-1``) are stable: a replacement keeps its slot's name, its role, its
 disk-tier subdirectory and its access log.
+
+With ``plan.tls`` the controller makes the deployment's CA (``cluster.tls.DeploymentCA``) and
+keeps its key in memory; each process gets a certificate for the address of the node it
+landed on, and the controller reaches every process over HTTPS verified by that CA.
 """
 
 from __future__ import annotations
 
+import ssl
 import sys
 import threading
 import time
@@ -24,7 +29,6 @@ from typing import Any
 
 import httpx
 
-from splitserve.cluster.local import healthy
 from splitserve.cluster.ray_host import ProcessHost
 from splitserve.cluster.ray_plan import (
     ROUTER,
@@ -49,6 +53,14 @@ class Controller:
         self._stop = threading.Event()
         self._loop: threading.Thread | None = None
         self.log: list[str] = []
+        self._ca = None
+        self._verify: ssl.SSLContext | bool = True
+        if plan.tls:
+            from splitserve.cluster.tls import DeploymentCA
+            from splitserve.common.tls import client_context
+
+            self._ca = DeploymentCA()
+            self._verify = client_context(cadata=self._ca.ca_pem)
         self._autoscaler = None
         if plan.autoscale is not None:
             from splitserve.cluster.autoscale import Autoscaler, Planner
@@ -56,7 +68,9 @@ class Controller:
             key = plan.env.get("SPLITSERVE_API_KEY")
             headers = {"Authorization": f"Bearer {key}"} if key else {}
             planner = Planner(**plan.autoscale)
-            self._autoscaler = Autoscaler(planner, plan.autoscale_interval, headers)
+            self._autoscaler = Autoscaler(
+                planner, plan.autoscale_interval, headers, verify=self._verify
+            )
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -112,6 +126,10 @@ class Controller:
                 }
                 for s in self._slots.values()
             ]
+
+    def ca_pem(self) -> bytes | None:
+        """The deployment's CA certificate (PEM) with ``--tls``: what clients trust."""
+        return None if self._ca is None else self._ca.ca_pem
 
     def keys(self) -> tuple[str, str | None]:
         """The routers' admin key and the workers' API key (None: open), for ``status``."""
@@ -201,7 +219,7 @@ class Controller:
                 continue  # still waiting for a node with room
             if self._dead(slot):
                 self._replace(slot)
-            elif slot.state == "starting" and healthy(slot.url):
+            elif slot.state == "starting" and self._healthy(slot.url):
                 with self._lock:  # a scale-down may have marked it draining meanwhile
                     if slot.state != "starting":
                         continue
@@ -231,6 +249,10 @@ class Controller:
 
         where = slot.info.get("ip", "?")
         self._note(f"{slot.name} ({slot.url}) on node {where} died; replacing it")
+        try:  # an actor that lives removes its process's files
+            ray.get(slot.actor.stop.remote(), timeout=10)
+        except Exception:
+            pass
         try:
             ray.kill(slot.actor)
         except Exception:
@@ -274,7 +296,9 @@ class Controller:
             members = {s.url: s.role for s in workers}
             events = {s.url: s.events for s in workers if s.events}
         argv, env = slot_command(self.plan, slot, members, events)
-        slot.info = ray.get(slot.actor.start.remote(argv, env, ports), timeout=60)
+        files = None if self._ca is None else self._ca.issue([where["ip"]])
+        info = ray.get(slot.actor.start.remote(argv, env, ports, files), timeout=60)
+        slot.info = {**info, "tls": self._ca is not None}
         slot.placing = None
         return True
 
@@ -294,15 +318,16 @@ class Controller:
         head = {"Authorization": f"Bearer {self.plan.admin_key}"}
         for router in routers:
             try:
-                r = httpx.get(f"{router.url}/workers", headers=head, timeout=5)
-                have = {w["url"]: w["role"] for w in r.json()["workers"]}
-                for url in have.keys() - want.keys():
-                    httpx.delete(f"{router.url}/workers/{url}", headers=head, timeout=5)
-                for url in want.keys() - have.keys():
-                    body = {"url": url, "role": want[url]}
-                    if events.get(url):
-                        body["kv_events"] = events[url]
-                    httpx.post(f"{router.url}/workers", json=body, headers=head, timeout=5)
+                with httpx.Client(headers=head, timeout=5, verify=self._verify) as http:
+                    r = http.get(f"{router.url}/workers")
+                    have = {w["url"]: w["role"] for w in r.json()["workers"]}
+                    for url in have.keys() - want.keys():
+                        http.delete(f"{router.url}/workers/{url}")
+                    for url in want.keys() - have.keys():
+                        body = {"url": url, "role": want[url]}
+                        if events.get(url):
+                            body["kv_events"] = events[url]
+                        http.post(f"{router.url}/workers", json=body)
             except (httpx.HTTPError, ValueError, KeyError):
                 continue  # down or restarting: the next pass, or its restart, catches up
 
@@ -314,7 +339,8 @@ class Controller:
         key = self.plan.env.get("SPLITSERVE_API_KEY")
         head = {"Authorization": f"Bearer {key}"} if key else {}
         try:
-            load = httpx.get(f"{slot.url}/load", headers=head, timeout=5).json()
+            r = httpx.get(f"{slot.url}/load", headers=head, timeout=5, verify=self._verify)
+            load = r.json()
             busy = load.get("running", 0) + load.get("waiting", 0) > 0
         except (httpx.HTTPError, ValueError):
             busy = False  # gone: nothing left to drain
@@ -342,13 +368,19 @@ class Controller:
             for slot in pending:
                 if self._place(slot) and self._dead(slot):
                     raise RuntimeError(f"{slot.name} exited before it became healthy")
-            pending = [s for s in pending if s.url is None or not healthy(s.url)]
+            pending = [s for s in pending if s.url is None or not self._healthy(s.url)]
             if pending and time.monotonic() > deadline:
                 names = ", ".join(s.name for s in pending)
                 raise RuntimeError(f"{names} did not become healthy")
             time.sleep(0.2)
         for slot in slots:
             slot.state = "ready"
+
+    def _healthy(self, url: str) -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=2.0, verify=self._verify).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def _note(self, line: str) -> None:
         stamped = f"{time.strftime('%H:%M:%S')} {line}"

@@ -8,12 +8,14 @@ lost node leaves nothing behind).
 
 Addresses are the node's own: ``{host}`` in the command line becomes the IP Ray knows the
 node by, and every ``{name}`` of ``ports`` a port of that address (the one asked for, or a
-free one).
+free one). ``{files}`` becomes a private directory on the node (mode 0700, removed when the
+process stops) holding the ``files`` the controller sent: its TLS certificate and key.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -28,6 +30,7 @@ class ProcessHost:
     def __init__(self, name: str) -> None:
         self.name = name
         self.proc: subprocess.Popen | None = None
+        self.files_dir: str | None = None
 
     def node(self) -> dict[str, str]:
         """Where this actor runs: ``{"node_id", "ip"}``."""
@@ -39,13 +42,22 @@ class ProcessHost:
         }
 
     def start(
-        self, argv: list[str], env: dict[str, str], ports: dict[str, int | None]
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        ports: dict[str, int | None],
+        files: dict[str, bytes] | None = None,
     ) -> dict[str, Any]:
-        """Start ``argv`` with ``{host}`` and each ``{port name}`` filled in; returns the
-        node, the ports chosen and the pid."""
+        """Start ``argv`` with ``{host}``, each ``{port name}`` and ``{files}`` filled in;
+        returns the node, the ports chosen and the pid."""
         where = self.node()
         chosen = {k: v or free_port(where["ip"]) for k, v in ports.items()}
         fill = {"{host}": where["ip"], **{f"{{{k}}}": str(v) for k, v in chosen.items()}}
+        if files:
+            from splitserve.cluster.tls import write_private
+
+            self.files_dir = write_private(files)
+            fill["{files}"] = self.files_dir
         filled = []
         for arg in argv:
             for key, value in fill.items():
@@ -64,7 +76,15 @@ class ProcessHost:
         return None if self.proc is None else self.proc.poll()
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM the process group; SIGKILL it after ``timeout``; the exit code."""
+        """SIGTERM the process group; SIGKILL it after ``timeout``; remove its files; the
+        exit code."""
+        try:
+            return self._stop(timeout)
+        finally:
+            if self.files_dir is not None:
+                shutil.rmtree(self.files_dir, ignore_errors=True)
+
+    def _stop(self, timeout: float) -> int | None:
         if self.proc is None:
             return None
         self._signal(signal.SIGTERM)

@@ -32,6 +32,7 @@ class RayPlan:
     drain_timeout: float = 120.0
     autoscale: dict[str, Any] | None = None  # cluster.autoscale.Planner's arguments
     autoscale_interval: float = 30.0
+    tls: bool = False  # every HTTP leg HTTPS, by a CA the controller makes (cluster.tls)
 
     def __post_init__(self) -> None:
         if self.routers < 1:
@@ -59,7 +60,8 @@ class Slot:
     def url(self) -> str | None:
         if "ip" not in self.info:
             return None
-        return f"http://{self.info['ip']}:{self.info['ports']['port']}"
+        scheme = "https" if self.info.get("tls") else "http"
+        return f"{scheme}://{self.info['ip']}:{self.info['ports']['port']}"
 
     @property
     def events(self) -> str | None:
@@ -122,9 +124,14 @@ def slot_command(
 ) -> tuple[list[str], dict[str, str]]:
     """``slot``'s command line (``{host}`` and ports left for its node) and environment;
     ``workers``: URL -> role of the workers a router starts with, ``events``: URL -> KV
-    events endpoint of those that publish them."""
+    events endpoint of those that publish them. With ``plan.tls`` every process serves
+    HTTPS with the files its host writes to ``{files}``."""
     t = plan.topology
     env = dict(plan.env)
+    tls = _TLS_ARGS if plan.tls else []
+    # vLLM knows no tenants: under a keys file its workers take the one key the plan made
+    # for them, which only the routers hold (as SPLITSERVE_WORKER_API_KEY).
+    vllm_keys = t.engine == "vllm" and "SPLITSERVE_API_KEYS" in env
     if slot.role == ROUTER:
         prefill = [u for u, r in workers.items() if r == "prefill"]
         decode = [u for u, r in workers.items() if r != "prefill"]
@@ -137,7 +144,11 @@ def slot_command(
         env["SPLITSERVE_ADMIN_KEY"] = plan.admin_key
         if "SPLITSERVE_API_KEY" in env:
             env["SPLITSERVE_WORKER_API_KEY"] = env["SPLITSERVE_API_KEY"]
-        return router_argv("{host}", "{port}", prefill, decode, args), env
+        if vllm_keys:
+            del env["SPLITSERVE_API_KEY"]  # clients authenticate by the keys file alone
+        return router_argv("{host}", "{port}", prefill, decode, [*args, *tls]), env
+    if vllm_keys:
+        del env["SPLITSERVE_API_KEYS"]
     index = int(slot.name.rsplit("-", 1)[1]) + (t.prefill if slot.role == "decode" else 0)
     args = [*plan.worker_args, *t.core_args(index, this_machine=False), *t.role_args(slot.role)]
     args = own_access_log(own_disk_dir(args, slot.name), slot.name)
@@ -147,7 +158,14 @@ def slot_command(
     if t.engine == "vllm" and t.prefill:
         args += ["--kv-port", "{kv}"]
     role = t.worker_role(slot.role)
-    return worker_argv("{host}", "{port}", plan.model, args, role=role), env
+    return worker_argv("{host}", "{port}", plan.model, [*args, *tls], role=role), env
+
+
+# What ProcessHost writes to {files} (cluster.tls.DeploymentCA.issue's names).
+_TLS_ARGS = [
+    *("--ssl-certfile", "{files}/server.pem", "--ssl-keyfile", "{files}/server.key"),
+    *("--worker-ca", "{files}/ca.pem"),
+]
 
 
 def head_node() -> str | None:

@@ -10,8 +10,11 @@ the controller and with it every worker and router replica. ``cluster status`` a
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import socket
+import ssl
 import sys
 from typing import Any
 
@@ -20,6 +23,7 @@ import httpx
 from splitserve.cluster.local import StopFlag
 from splitserve.cluster.ray_deploy import Controller
 from splitserve.cluster.ray_plan import ROUTER, RayPlan, head_node
+from splitserve.common.tls import client_context
 
 NAMESPACE = "splitserve"
 DEFAULT_NAME = "splitserve"
@@ -77,6 +81,7 @@ def serve_on_ray(address: str, plan: RayPlan, name: str = DEFAULT_NAME) -> int:
     actor = ray.remote(Controller).options(
         name=name, num_cpus=0, max_concurrency=16, scheduling_strategy=here
     )
+    ca_dir = None
     try:
         try:
             ctrl = actor.remote(plan)
@@ -87,6 +92,14 @@ def serve_on_ray(address: str, plan: RayPlan, name: str = DEFAULT_NAME) -> int:
         except ray.exceptions.RayTaskError as e:
             print(f"splitserve: {e.cause}", file=sys.stderr)
             return 1
+        ca_dir = _write_ca(ray.get(ctrl.ca_pem.remote()))
+        if ca_dir is not None:
+            ca = os.path.join(ca_dir, "ca.pem")
+            print(
+                f"splitserve: TLS with a private CA for this run; clients trust {ca}, "
+                f"e.g. SSL_CERT_FILE={ca} (removed when serving stops)",
+                flush=True,
+            )
         for url in urls:
             print(f"splitserve: serving the OpenAI API at {url}/v1 (Ctrl-C to stop)", flush=True)
         while not stop.wait(1.0):
@@ -107,8 +120,19 @@ def serve_on_ray(address: str, plan: RayPlan, name: str = DEFAULT_NAME) -> int:
             pass
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if ca_dir is not None:
+            shutil.rmtree(ca_dir, ignore_errors=True)
         if started:
             ray.shutdown()
+
+
+def _write_ca(pem: bytes | None) -> str | None:
+    """The deployment's CA certificate in a new private directory (None: no TLS)."""
+    if pem is None:
+        return None
+    from splitserve.cluster.tls import write_private
+
+    return write_private({"ca.pem": pem})
 
 
 def status(ctrl) -> dict[str, list[dict[str, Any]]]:
@@ -129,17 +153,19 @@ def status(ctrl) -> dict[str, list[dict[str, Any]]]:
     ]
     slots = ray.get(ctrl.slots.remote(), timeout=30)
     admin_key, worker_key = ray.get(ctrl.keys.remote(), timeout=30)
+    pem = ray.get(ctrl.ca_pem.remote(), timeout=30)
+    verify = True if pem is None else client_context(cadata=pem)
     routers = [s for s in slots if s["role"] == ROUTER]
     workers = [s for s in slots if s["role"] != ROUTER]
     sessions: dict[str, int] = {}
     indexed: dict[str, int] = {}  # with --policy kv-events: blocks a router's index holds
     for router in routers:
-        for w in _get(router["url"], "/workers", admin_key).get("workers", []):
+        for w in _get(router["url"], "/workers", admin_key, verify).get("workers", []):
             sessions[w["url"]] = sessions.get(w["url"], 0) + w.get("sessions", 0)
             if "kv_blocks_indexed" in w:
                 indexed[w["url"]] = max(indexed.get(w["url"], 0), w["kv_blocks_indexed"])
     for w in workers:
-        load = _get(w["url"], "/load", worker_key) if w["url"] else {}
+        load = _get(w["url"], "/load", worker_key, verify) if w["url"] else {}
         w.update(
             running=load.get("running"),
             waiting=load.get("waiting"),
@@ -152,10 +178,12 @@ def status(ctrl) -> dict[str, list[dict[str, Any]]]:
     return {"nodes": nodes, "workers": workers, "routers": routers, "decisions": decisions}
 
 
-def _get(base: str | None, path: str, key: str | None) -> dict[str, Any]:
+def _get(
+    base: str | None, path: str, key: str | None, verify: ssl.SSLContext | bool = True
+) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        r = httpx.get(f"{base}{path}", headers=headers, timeout=5)
+        r = httpx.get(f"{base}{path}", headers=headers, timeout=5, verify=verify)
         return r.json() if r.status_code == 200 else {}
     except (httpx.HTTPError, ValueError):
         return {}

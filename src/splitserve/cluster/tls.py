@@ -1,10 +1,12 @@
 """Certificates for ``splitserve serve --tls``: a private CA made for one deployment and one
 server certificate that every worker and the router of it serve with.
 
-The CA's private key never touches the disk: it signs the server certificate and is dropped,
-so nothing can mint another certificate this CA vouches for. What is written goes to a fresh
-directory only its owner can enter (mode 0700), the server's key with mode 0600; the
-launcher removes the directory when the deployment stops.
+The CA's private key never touches the disk. Locally it signs the one server certificate and
+is dropped, so nothing can mint another certificate this CA vouches for. On Ray
+(``DeploymentCA``) it lives in the controller's memory for the deployment's life and signs a
+certificate for each node a process lands on, which that node's ``ProcessHost`` writes to a
+private directory of its own. What is written goes to a fresh directory only its owner can
+enter (mode 0700), a server's key with mode 0600; its owner removes it when done.
 
 ::
 
@@ -50,31 +52,54 @@ class DeploymentTLS:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def private_tls(hosts: Sequence[str] = ()) -> DeploymentTLS:
-    """A new CA and a server certificate for ``hosts`` (plus 127.0.0.1 and localhost),
-    written to a new private temporary directory; ``remove()`` it when done."""
-    names = list(dict.fromkeys([*hosts, "127.0.0.1", "localhost"]))
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_cert = _ca_certificate(ca_key)
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = _server_certificate(key, names, ca_key, ca_cert)
-    out = tempfile.mkdtemp(prefix="splitserve-tls-")  # mode 0700
-    try:
-        files = DeploymentTLS(
-            out, *(os.path.join(out, n) for n in ("ca.pem", "server.pem", "server.key"))
-        )
-        _write(files.ca, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
-        _write(files.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+class DeploymentCA:
+    """A private CA held in memory: its certificate (``ca_pem``) and server certificates it
+    signs on demand (``issue``)."""
+
+    def __init__(self) -> None:
+        self._key = ec.generate_private_key(ec.SECP256R1())
+        self._cert = _ca_certificate(self._key)
+        self.ca_pem = self._cert.public_bytes(serialization.Encoding.PEM)
+
+    def issue(self, hosts: Sequence[str] = ()) -> dict[str, bytes]:
+        """A new key and a certificate for ``hosts`` (plus 127.0.0.1 and localhost), with the
+        CA's: ``{"ca.pem", "server.pem", "server.key"}``, PEM."""
+        names = list(dict.fromkeys([*hosts, "127.0.0.1", "localhost"]))
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = _server_certificate(key, names, self._key, self._cert)
         pem_key = key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         )
-        _write(files.key, pem_key, 0o600)
+        return {
+            "ca.pem": self.ca_pem,
+            "server.pem": cert.public_bytes(serialization.Encoding.PEM),
+            "server.key": pem_key,
+        }
+
+
+def private_tls(hosts: Sequence[str] = ()) -> DeploymentTLS:
+    """A new CA and a server certificate for ``hosts`` (plus 127.0.0.1 and localhost),
+    written to a new private temporary directory; ``remove()`` it when done. The CA's key
+    is dropped on return."""
+    out = write_private(DeploymentCA().issue(hosts))
+    return DeploymentTLS(
+        out, *(os.path.join(out, n) for n in ("ca.pem", "server.pem", "server.key"))
+    )
+
+
+def write_private(files: dict[str, bytes]) -> str:
+    """``files`` (name -> bytes) in a new temporary directory of mode 0700, ``*.key`` files
+    0600 and the rest 0644; the directory."""
+    out = tempfile.mkdtemp(prefix="splitserve-tls-")  # mode 0700
+    try:
+        for name, data in files.items():
+            _write(os.path.join(out, name), data, 0o600 if name.endswith(".key") else 0o644)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
-    return files
+    return out
 
 
 def _ca_certificate(key: ec.EllipticCurvePrivateKey) -> x509.Certificate:

@@ -45,9 +45,12 @@ def uvicorn_tls(files: ServerFiles | None) -> dict[str, str]:
     return {} if files is None else {"ssl_certfile": files.certfile, "ssl_keyfile": files.keyfile}
 
 
-def client_context(cafile: str | None = None) -> ssl.SSLContext:
+def client_context(cafile: str | None = None, cadata: bytes | None = None) -> ssl.SSLContext:
     """A client context that verifies the server's certificate and host name: against
-    ``cafile`` alone when given (a deployment's private CA), else the system's trust store."""
+    ``cafile`` (or the PEM ``cadata``) alone when given (a deployment's private CA), else the
+    system's trust store."""
+    if cadata is not None:
+        return ssl.create_default_context(cadata=cadata.decode("ascii"))
     if cafile is None:
         return ssl.create_default_context()
     _readable(cafile, "the CA file")
