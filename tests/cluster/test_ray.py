@@ -7,6 +7,7 @@ placing by KV events."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import queue
@@ -14,6 +15,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -285,7 +287,7 @@ def test_prefill_and_decode_on_different_nodes(deployment):
         verify=deployment.verify,
     )
     assert r.status_code == 200, r.text
-    assert r.headers["x-splitserve-prefill-worker"].startswith(f"http://{HEAD}:")
+    assert r.headers["x-splitserve-prefill-worker"].startswith(f"https://{HEAD}:")
     assert r.headers["x-splitserve-decode-worker"] == decode_b[0]
     assert (
         metric(decode_b[0], "splitserve:kv_blocks_received_total", verify=deployment.verify)
@@ -352,9 +354,13 @@ def test_lost_node_is_replaced_elsewhere_and_no_request_fails(deployment):
         )
         load.wait_done(4)
     assert load.failures == []
+    # The lost hosts could not remove their TLS files; their replacements did (one machine).
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), "splitserve-ray-tls-*")):
+        with open(os.path.join(d, "owner")) as f:
+            assert psutil.pid_exists(int(f.read())), f"{d} outlived its host"
     moved = {p["name"]: p for p in procs}
     for w in on_b:  # on the head now, at the head's address, in every router's ring
-        assert moved[w["name"]]["url"].startswith(f"http://{HEAD}:")
+        assert moved[w["name"]]["url"].startswith(f"https://{HEAD}:")
     for router in deployment.routers:
         health = httpx.get(f"{router}/health", timeout=10, verify=deployment.verify)
         assert health.json()["workers"] == 3

@@ -336,14 +336,9 @@ class Controller:
         still running then migrates to another worker)."""
         if slot.url is None or time.monotonic() - slot.since > self.plan.drain_timeout:
             return True
-        key = self.plan.env.get("SPLITSERVE_API_KEY")
-        head = {"Authorization": f"Bearer {key}"} if key else {}
-        try:
-            r = httpx.get(f"{slot.url}/load", headers=head, timeout=5, verify=self._verify)
-            load = r.json()
-            busy = load.get("running", 0) + load.get("waiting", 0) > 0
-        except (httpx.HTTPError, ValueError):
-            busy = False  # gone: nothing left to drain
+        load = worker_load(slot.url, self.plan.env.get("SPLITSERVE_API_KEY"), self._verify)
+        # None: gone, nothing left to drain
+        busy = load is not None and (load.get("running") or 0) + (load.get("waiting") or 0) > 0
         slot.idle_checks = 0 if busy else slot.idle_checks + 1
         return slot.idle_checks >= 2
 
@@ -387,6 +382,29 @@ class Controller:
         with self._lock:
             self.log.append(stamped)
         print(f"splitserve ray: {line}", file=sys.stderr, flush=True)
+
+
+def worker_load(
+    url: str, key: str | None, verify: ssl.SSLContext | bool = True
+) -> dict[str, Any] | None:
+    """A worker's ``running``, ``waiting`` and ``kv_usage`` (0-1): from its ``/load``, or a
+    vLLM server's from its ``/metrics``; None when it does not answer."""
+    from splitserve.router.health import KV_USAGE_SCALE, load_from_metrics
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        with httpx.Client(headers=headers, timeout=5, verify=verify) as http:
+            r = http.get(f"{url}/load")
+            if r.status_code == 200 and "running" in r.json():
+                return r.json()
+            # vLLM answers /load with its own shape (server_load), or 404 without tracking
+            report = load_from_metrics(http.get(f"{url}/metrics").text)
+    except (httpx.HTTPError, ValueError):
+        return None
+    if report is None:
+        return None
+    usage = report.kv_blocks_used / KV_USAGE_SCALE if report.kv_blocks_total else None
+    return {"running": report.running, "waiting": report.waiting, "kv_usage": usage}
 
 
 def _actor_class():

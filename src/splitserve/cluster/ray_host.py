@@ -9,7 +9,9 @@ lost node leaves nothing behind).
 Addresses are the node's own: ``{host}`` in the command line becomes the IP Ray knows the
 node by, and every ``{name}`` of ``ports`` a port of that address (the one asked for, or a
 free one). ``{files}`` becomes a private directory on the node (mode 0700, removed when the
-process stops) holding the ``files`` the controller sent: its TLS certificate and key.
+process stops) holding the ``files`` the controller sent: its TLS certificate and key. A host
+killed with its node cannot remove its directory; the next host to start on that node removes
+every such directory whose host process is gone.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from typing import Any
 
 from splitserve.cluster.local import die_with_parent, free_port
+
+PREFIX = "splitserve-ray-tls-"  # a host's files directory, in the node's temporary directory
+OWNER = "owner"  # in it: the pid of the host process that wrote it
 
 
 class ProcessHost:
@@ -56,7 +62,8 @@ class ProcessHost:
         if files:
             from splitserve.cluster.tls import write_private
 
-            self.files_dir = write_private(files)
+            remove_orphaned_files()
+            self.files_dir = write_private({**files, OWNER: str(os.getpid()).encode()}, PREFIX)
             fill["{files}"] = self.files_dir
         filled = []
         for arg in argv:
@@ -103,3 +110,22 @@ class ProcessHost:
             os.killpg(self.proc.pid, sig)  # its pgid is its pid: start_new_session
         except ProcessLookupError:
             pass
+
+
+def remove_orphaned_files() -> None:
+    """Remove the files directories of hosts whose process is gone (killed with their node
+    or by ``ray.kill``); those of live hosts stay."""
+    import psutil
+
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if not name.startswith(PREFIX):
+            continue
+        try:
+            with open(os.path.join(path, OWNER)) as f:
+                pid = int(f.read())
+        except (OSError, ValueError):
+            continue  # being written, or not ours
+        if not psutil.pid_exists(pid):
+            shutil.rmtree(path, ignore_errors=True)

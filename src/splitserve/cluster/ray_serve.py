@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from splitserve.cluster.local import StopFlag
-from splitserve.cluster.ray_deploy import Controller
+from splitserve.cluster.ray_deploy import Controller, worker_load
 from splitserve.cluster.ray_plan import ROUTER, RayPlan, head_node
 from splitserve.common.tls import client_context
 
@@ -165,7 +165,7 @@ def status(ctrl) -> dict[str, list[dict[str, Any]]]:
             if "kv_blocks_indexed" in w:
                 indexed[w["url"]] = max(indexed.get(w["url"], 0), w["kv_blocks_indexed"])
     for w in workers:
-        load = _get(w["url"], "/load", worker_key, verify) if w["url"] else {}
+        load = (worker_load(w["url"], worker_key, verify) if w["url"] else None) or {}
         w.update(
             running=load.get("running"),
             waiting=load.get("waiting"),

@@ -89,10 +89,10 @@ def private_tls(hosts: Sequence[str] = ()) -> DeploymentTLS:
     )
 
 
-def write_private(files: dict[str, bytes]) -> str:
-    """``files`` (name -> bytes) in a new temporary directory of mode 0700, ``*.key`` files
-    0600 and the rest 0644; the directory."""
-    out = tempfile.mkdtemp(prefix="splitserve-tls-")  # mode 0700
+def write_private(files: dict[str, bytes], prefix: str = "splitserve-tls-") -> str:
+    """``files`` (name -> bytes) in a new temporary directory named ``prefix...`` of mode
+    0700, ``*.key`` files 0600 and the rest 0644; the directory."""
+    out = tempfile.mkdtemp(prefix=prefix)  # mode 0700
     try:
         for name, data in files.items():
             _write(os.path.join(out, name), data, 0o600 if name.endswith(".key") else 0o644)
