@@ -129,6 +129,12 @@ def test_a_finished_stream_ends_and_needs_no_worker():
     assert r.log.ended and list(r.finish_locally()) == []
 
 
+def test_a_stream_that_could_not_resume_anyway_may_end_as_it_likes():
+    r = relay(refusal="vLLM")  # (whose last event this relay need not know)
+    r.feed(CREATED + IN_PROGRESS + event("response.something_else", 2))
+    r.end()
+
+
 def test_the_error_event_is_numbered_after_the_clients_last_event_and_ends_the_stream():
     r = relay(refusal="because")
     r.feed(CREATED + IN_PROGRESS)

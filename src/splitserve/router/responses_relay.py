@@ -124,7 +124,9 @@ class ResponsesRelay:
         return b"".join([self._event(e) for e in events if e.strip()])
 
     def end(self) -> None:
-        if not self.log.done:
+        """The leg ended; raises ``IncompleteStream`` unless the response had ended (a stream
+        that could not be resumed anyway passes as it came, as before it was relayed here)."""
+        if not self.log.done and self.log.refusal is None:
             raise IncompleteStream("the response stream ended before its last event")
 
     def resume_body(self, remaining: int) -> dict[str, Any]:
