@@ -13,7 +13,7 @@ import pytest
 from procs import start_worker, stop_group, wait_healthy
 from tool_chat import WEATHER_TOOL, few_shot_tool_calls
 
-from splitserve.common.responses_api import chain_of
+from splitserve.common.responses_api import CHAIN_HEADER, chain_of
 
 SECRET = secrets.token_hex(16)
 KEYS = {"alice": "sk-alice", "bob": "sk-bob"}
@@ -206,8 +206,8 @@ def test_another_tenant_cannot_read_or_continue_a_response(worker_url, alice):
     assert alice.responses.retrieve(r.id).id == r.id  # still alice's
 
 
-def post(url: str, body: dict) -> httpx.Response:
-    headers = {"authorization": f"Bearer {KEYS['alice']}"}
+def post(url: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {KEYS['alice']}", **(headers or {})}
     return httpx.post(f"{url}/v1/responses", json=body, headers=headers, timeout=60)
 
 
@@ -227,6 +227,8 @@ def post(url: str, body: dict) -> httpx.Response:
         ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
         ({"input": "hi", "temperature": "hot"}, "temperature"),
         ({"input": []}, "input"),
+        ({"input": "hi", "seed": 2**63}, "seed"),
+        ({"input": "hi", "resume": {"prompt_token_ids": []}}, "resume.prompt_token_ids"),
     ],
 )
 def test_unsupported_or_bad_fields_are_a_400_naming_them(worker_url, body, param):
@@ -242,3 +244,32 @@ def test_unknown_previous_response_is_a_400(worker_url):
     assert (
         error["code"] == "previous_response_not_found" and error["param"] == "previous_response_id"
     )
+
+
+def test_a_resume_that_cannot_go_on_here_is_a_400_naming_it(worker_url):
+    chain = "d" * 32
+    named = {CHAIN_HEADER: chain}
+    body = {"input": "Name three colours.", "max_output_tokens": 8, "temperature": 0}
+    streamed = post(worker_url, {**body, "stream": True, "return_token_ids": True}, named)
+    events = [json.loads(x[6:]) for x in streamed.text.splitlines() if x.startswith("data: ")]
+    ids = [e for e in events if e["type"] == "splitserve.token_ids"]
+    prompt = ids[0]["prompt_token_ids"]
+    output = [t for e in ids for t in e["token_ids"]]
+    resume = {
+        "prompt_token_ids": prompt,
+        "output_token_ids": output[:4],  # their text was released: a message is open
+        "response_id": f"resp_{chain}{'0' * 16}",
+        "created_at": 1,
+        "message_id": "msg_1",
+        "sequence_number": 8,
+    }
+    ok = {**body, "stream": True, "resume": resume}
+    assert post(worker_url, ok, named).status_code == 200
+    for bad, param in [
+        ({**ok, "stream": False}, "stream"),
+        ({**ok, "resume": {**resume, "response_id": "resp_" + "e" * 48}}, "resume.response_id"),
+        ({**ok, "resume": {**resume, "prompt_token_ids": prompt[1:]}}, "resume.prompt_token_ids"),
+        ({**ok, "resume": {**resume, "message_id": None}}, "resume.message_id"),
+    ]:
+        r = post(worker_url, bad, named)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

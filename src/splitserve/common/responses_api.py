@@ -24,10 +24,13 @@ from pydantic import BaseModel, ConfigDict, Field
 RESPONSES_PATH = "/v1/responses"
 # The router names a new chain in this header; a worker mints one when it is absent.
 CHAIN_HEADER = "x-splitserve-response-chain"
+# With the router's ``return_token_ids``, a stream names every token's ids in events of this
+# type (no ``sequence_number``: the router strips them before the client sees the stream).
+TOKEN_IDS_EVENT = "splitserve.token_ids"
 _CHAIN_HEX, _TURN_HEX = 32, 16
 _ID = re.compile(rf"resp_([0-9a-f]{{{_CHAIN_HEX}}})[0-9a-f]{{{_TURN_HEX}}}")
 _CHAIN = re.compile(rf"[0-9a-f]{{{_CHAIN_HEX}}}")
-INT64_MAX = 2**63 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def new_chain() -> str:
@@ -83,9 +86,26 @@ class TextConfig(_Strict):
     format: TextFormat | None = None
 
 
+class ResponsesResume(_Strict):
+    """The router's: this streamed response continues one that another worker began and
+    lost mid-stream (``router/responses_relay.py``). ``prompt_token_ids`` and
+    ``output_token_ids`` as for chat (``common.protocol.Resume``); the rest is what the
+    client holds of the response, which the stream goes on from: its id (stored under it),
+    ``created_at``, the message item it has open (None: none yet) and the next event's
+    ``sequence_number``."""
+
+    prompt_token_ids: list[int] = Field(min_length=1)
+    output_token_ids: list[int] = Field(default_factory=list)
+    response_id: str
+    created_at: int = Field(ge=0, le=INT64_MAX)
+    message_id: str | None = Field(default=None, min_length=1, max_length=128)
+    sequence_number: int = Field(ge=0, le=INT64_MAX)
+
+
 class ResponsesRequest(_Strict):
     """``POST /v1/responses``. ``input`` items are checked one by one (``worker``), since a
-    message item may omit its ``type``."""
+    message item may omit its ``type``. Extensions: ``seed`` (as for chat), and the router's
+    ``return_token_ids`` and ``resume`` (a migrated stream)."""
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -103,6 +123,9 @@ class ResponsesRequest(_Strict):
     user: str | None = None
     truncation: Literal["disabled"] | None = None
     text: TextConfig | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    return_token_ids: bool = False
+    resume: ResponsesResume | None = None
 
 
 class InputText(_Strict):

@@ -9,6 +9,7 @@ from splitserve.common.tenants import DEFAULT_TENANT
 from splitserve.router.migration import StreamRelay
 from splitserve.router.placement import Uncached
 from splitserve.router.policies import RequestInfo
+from splitserve.router.responses_relay import ResponsesRelay
 from splitserve.router.timing import Timeline
 from splitserve.router.worker import Worker
 
@@ -32,7 +33,7 @@ class Forwarding:
     prefill: Worker | None = None
     kv_params: dict[str, Any] | None = None
     # Streamed requests: what was delivered, so the stream can move to another worker.
-    relay: StreamRelay | None = None
+    relay: StreamRelay | ResponsesRelay | None = None
     headers: dict[str, str] | None = None
     excluded: list[str] | None = None  # decode workers tried so far
     timeline: Timeline | None = None

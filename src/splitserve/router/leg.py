@@ -17,6 +17,7 @@ from typing import Any
 
 from splitserve.router.migration import StreamRelay
 from splitserve.router.response import Response, UpstreamError
+from splitserve.router.responses_relay import ResponsesRelay
 from splitserve.router.server import BodyWriter
 
 
@@ -32,7 +33,9 @@ class Leg:
 
     __slots__ = ("first", "response", "relay", "_out", "_done", "_resumer")
 
-    def __init__(self, first: bytes, response: Response, relay: StreamRelay | None) -> None:
+    def __init__(
+        self, first: bytes, response: Response, relay: StreamRelay | ResponsesRelay | None
+    ) -> None:
         self.first = first
         self.response = response
         self.relay = relay  # None: the bytes pass as they are (no migration bookkeeping)

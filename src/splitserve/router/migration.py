@@ -193,6 +193,15 @@ class StreamRelay:
     def resume_path(self) -> str:
         return "/v1/chat/completions" if self.continued and self.log.chat else "/v1/completions"
 
+    def failure(self) -> str:
+        """What the error event says when the stream could not be resumed."""
+        return "the decode worker failed mid-stream and no worker could resume it"
+
+    @staticmethod
+    def error_event(message: str) -> bytes:
+        """An in-band error, as OpenAI streams report them; it ends the stream."""
+        return error_event(message)
+
     def resume_body(self, remaining: int) -> dict[str, Any]:
         """The next leg's body (for ``resume_path``); ids still pending are regenerated.
         ``remaining``: the tokens it may still generate (a continuation knows it already)."""
@@ -418,3 +427,8 @@ class StreamRelay:
 
 def _sse(chunk: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def error_event(message: str) -> bytes:
+    error = {"message": message, "type": "server_error", "param": None, "code": "worker_failed"}
+    return _sse({"error": error})

@@ -56,6 +56,7 @@ from splitserve.router.prefetch import PrefetchHints
 from splitserve.router.prefill_leg import PrefillLeg
 from splitserve.router.replies import Buffered, Reply, Streamed
 from splitserve.router.response import Response, UpstreamError, dropped
+from splitserve.router.responses_relay import ResponsesLog, ResponsesRelay, unresumable_reason
 from splitserve.router.resume import Resumer
 from splitserve.router.salts import request_salt, salt_for_vllm
 from splitserve.router.session import (
@@ -136,9 +137,11 @@ class Proxy:
         ``raw`` the request body; ``admission`` counts it in its tenant's in-flight limits
         once its session is known."""
         body = parse_body(raw)
+        responses = keyed_by_chain(path)
         # Only the router names peers and transfer sources (workers will call them): a
-        # client's are dropped, never signed.
-        client_written = [name for name in ROUTER_FIELDS if name in body]
+        # client's are dropped, never signed. (Token ids of a response stream are its too.)
+        owned = ROUTER_FIELDS + (("return_token_ids",) if responses else ())
+        client_written = [name for name in owned if name in body]
         for name in client_written:
             del body[name]
         vllm = self.config.worker_engine == "vllm"
@@ -148,7 +151,6 @@ class Proxy:
         headers = self._forward_headers(client_headers)
         forwarding = self._place(client_headers, body, timeline, principal)
         forwarding.tenant = principal
-        responses = keyed_by_chain(path)
         added: dict[str, Any] = {}  # the router's fields in the forwarded body
         if responses:  # keyed by its response chain instead (``session.chain_key``)
             chain = self._place_chain(forwarding, body, headers)
@@ -163,8 +165,7 @@ class Proxy:
         excluded = [decode.url]
         forwarding.predicted = self._predicted(decode, forwarding.info)
         timeline.routed = now()
-        # The prefill leg, prefetch and peer hints and resumed streams speak chat and
-        # completions only.
+        # The prefill leg, prefetch and peer hints speak chat and completions only.
         if self.config.prefetch_hints and forwarding.info.session_key is not None and not responses:
             self.hints.send(decode, body, headers, principal)
         if self.rules.disaggregate and not responses:
@@ -176,7 +177,13 @@ class Proxy:
             self.metrics.kv_peer_hints.inc()
             added[PEER_FIELD] = decision.peer.url
         stream = body.get("stream") is True
-        if stream and not responses and resumable_request(body, self.config.worker_engine):
+        if stream and responses:  # relayed for its error event even where not resumable
+            refusal = unresumable_reason(body, self.config.worker_engine)
+            forwarding.relay = ResponsesRelay(ResponsesLog.of(body, refusal), body)
+            forwarding.headers, forwarding.excluded = headers, excluded
+            if refusal is None:
+                added.update(TOKEN_IDS_FIELD)
+        elif stream and resumable_request(body, self.config.worker_engine):
             log = StreamLog.of(body, chat=path.endswith("/chat/completions"))
             forwarding.relay = StreamRelay(log, body, continued=not vllm)
             forwarding.headers, forwarding.excluded = headers, excluded

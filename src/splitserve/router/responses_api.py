@@ -7,10 +7,15 @@ replica, restarted or not, maps every turn of a chain to the worker that holds i
 conversation and KV.
 
 ``POST /v1/responses`` is forwarded like a chat request (placement, retries before the
-first byte, the stream relayed as it comes) but without a remote prefill leg or a
-mid-stream migration, which speak the chat and completions shapes. ``GET`` and ``DELETE``
-``/v1/responses/{id}`` ask every worker: one holds the response; ``DELETE`` also erases the
-chain's KV wherever a worker has some.
+first byte, the stream relayed as it comes, resumed on another worker when its worker dies
+mid-stream: ``responses_relay``) but without a remote prefill leg, which speaks the chat and
+completions shapes. ``GET`` and ``DELETE`` ``/v1/responses/{id}`` ask every worker: one
+holds the response; ``DELETE`` also erases the chain's KV wherever a worker has some.
+
+A migrated response is stored by the worker that finished it. The chain's later turns are
+keyed by the chain as before: while its first worker is down, the session policy sends them
+where it sent the migrated leg (the same choice over the same healthy workers), which holds
+the response; once that worker is back, they go to it again, which does not.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from splitserve.router.forwarding import Forwarding, WorkerFailed
 from splitserve.router.membership import Membership
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.migration import IncompleteStream, StreamLog
+from splitserve.router.migration import IncompleteStream, StreamLog, error_event
 from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.response import Response, UpstreamError
 from splitserve.router.upstream import Pool
@@ -99,7 +99,7 @@ class Resumer:
                 return
             except (UpstreamError, IncompleteStream, ValueError, WorkerFailed) as e:
                 self.failed(worker, "decode", e)
-        yield error_event("the decode worker failed mid-stream and no worker could resume it")
+        yield relay.error_event(relay.failure())
 
     @asynccontextmanager
     async def _leg(
@@ -147,8 +147,3 @@ class Resumer:
 async def pieces(response: Response) -> AsyncIterator[bytes]:
     while piece := await response.piece():
         yield piece
-
-
-def error_event(message: str) -> bytes:
-    error = {"message": message, "type": "server_error", "param": None, "code": "worker_failed"}
-    return f"data: {json.dumps({'error': error})}\n\n".encode()

@@ -11,15 +11,26 @@ A stream reads: ``response.created``, ``response.in_progress``; for the text,
 with the whole response. Every event carries its ``sequence_number``. Text that may be a
 tool call is held back until the reply ends (``worker.tool_calls``): a call's arguments are
 known whole only then, so each comes in one delta.
+
+The events of one engine output go out as one write, so a stream broken by a dead worker
+holds whole steps: the router resumes it from there (``router/responses_relay.py``). For it
+(the router's ``return_token_ids``) each step begins with a ``splitserve.token_ids`` event
+naming its tokens (the first also the prompt's), whether their text was released or held
+back; these carry no ``sequence_number``. A resumed stream (``ResumedStream``) sends no
+``response.created``: it goes on from the dead worker's last event, numbering after it,
+in the message item the client has open, with the tool-call filter primed with the output
+so far, so it holds back and releases what the first worker's did.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from splitserve.common.responses_api import (
+    TOKEN_IDS_EVENT,
     function_call_item,
     item_id,
     message_item,
@@ -54,16 +65,45 @@ def output_items(out: RequestOutput, tools: bool) -> list[dict[str, Any]]:
     return items
 
 
+@dataclass(frozen=True, slots=True)
+class ResumedStream:
+    """Where a resumed stream goes on from (``ResponsesResume``): the next sequence number,
+    the message item the client has open (None: none) and the output's text so far."""
+
+    sequence_number: int
+    message_id: str | None
+    text: str
+
+
+def released(text: str, tools: bool) -> str:
+    """What a stream released of an output's ``text``: all of it, but with tools offered
+    what may be a tool call."""
+    return ToolCallStream().feed(text) if tools else text
+
+
 class _Events:
     """Numbers and serialises the events of one stream."""
 
-    def __init__(self) -> None:
-        self.sequence = 0
+    def __init__(self, sequence: int = 0) -> None:
+        self.sequence = sequence
 
     def __call__(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class _TokenIds:
+    """``splitserve.token_ids`` events (the router's ``return_token_ids``): unnumbered."""
+
+    def __init__(self, prompt_token_ids: list[int]) -> None:
+        self.prompt: list[int] | None = prompt_token_ids  # sent with the first, then None
+
+    def __call__(self, token_ids: list[int]) -> str:
+        data: dict[str, Any] = {"type": TOKEN_IDS_EVENT, "token_ids": token_ids}
+        if self.prompt is not None:
+            data["prompt_token_ids"], self.prompt = self.prompt, None
+        return f"event: {TOKEN_IDS_EVENT}\ndata: {json.dumps(data)}\n\n"
 
 
 class _Message:
@@ -131,23 +171,37 @@ async def response_events(
     head: dict[str, Any],
     tools: bool,
     finish: Finish,
+    prompt_token_ids: list[int] | None = None,
+    resumed: ResumedStream | None = None,
 ) -> AsyncIterator[str]:
-    """The server-sent events of one streamed response (see the module docstring)."""
-    emit = _Events()
-    yield emit("response.created", response=head)
-    yield emit("response.in_progress", response=head)
+    """The server-sent events of one streamed response (see the module docstring), one
+    string per step; ``prompt_token_ids``: with token-id events."""
+    emit = _Events(0 if resumed is None else resumed.sequence_number)
+    ids = None if prompt_token_ids is None else _TokenIds(prompt_token_ids)
     message = _Message(emit)
     calls = ToolCallStream() if tools else None
+    if resumed is None:
+        start = [
+            emit("response.created", response=head),
+            emit("response.in_progress", response=head),
+        ]
+        yield "".join([*start, ids([]) if ids else ""])
+    else:
+        text = calls.feed(resumed.text) if calls else resumed.text
+        if resumed.message_id is not None:
+            message.id, message.text = resumed.message_id, text
     try:
         async for out in stream:
             tracker.on_output(out)
+            events = [ids(out.delta_token_ids)] if ids and out.delta_token_ids else []
             text = calls.feed(out.delta_text) if calls else out.delta_text
             if text:
-                for event in message.delta(text):
-                    yield event
+                events += message.delta(text)
             if out.finished:
-                for event in await _finished(emit, message, calls, out, finish):
-                    yield event
+                events += await _finished(emit, message, calls, out, finish)
+            if events:
+                yield "".join(events)
+            if out.finished:
                 return
     except EngineError as e:
         # Headers are gone already: report in-band, the way OpenAI streams report errors.

@@ -122,9 +122,13 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
         ("max_completion_tokens", req.max_output_tokens),
         ("temperature", req.temperature),
         ("top_p", req.top_p),
+        ("seed", req.seed),
     ):
         if value is not None:
             body[name] = value
+    if req.resume is not None:  # the chat path's resume (``worker/resume.py``)
+        tokens = ("prompt_token_ids", "output_token_ids")
+        body["resume"] = req.resume.model_dump(include=set(tokens))
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:

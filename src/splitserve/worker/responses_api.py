@@ -10,6 +10,12 @@ worker; a client talking to the worker directly gets a fresh one. The header is 
 naming a chain only chooses a name within the caller's own tenant, whose store, KV salt and
 owner records are its own.
 
+A streamed response whose worker died mid-stream is continued here when the router sends
+it again with ``resume`` (``ResponsesResume``): its output so far is replayed as for chat
+(``worker/resume.py``), the response keeps the id and ``created_at`` the client has (the id
+must be of the request's chain) and is stored under it, and its stream goes on from the
+client's last event (``response_events``).
+
 ``previous_response_id`` naming no response of this tenant is a 400 with code
 ``previous_response_not_found``, as OpenAI answers it; ``GET``/``DELETE`` of an unknown id
 is a 404. ``DELETE`` erases the chain's KV here (``worker.erasure``) even when the response
@@ -29,6 +35,7 @@ from splitserve.common.responses_api import (
     CHAIN_HEADER,
     RESPONSES_PATH,
     ResponsesRequest,
+    ResponsesResume,
     chain_of,
     chain_session,
     is_chain,
@@ -49,7 +56,13 @@ from splitserve.worker.kv_owners import KVOwners, OwnedStream
 from splitserve.worker.metrics import WorkerMetrics
 from splitserve.worker.prepare import EngineInput, ModelInfo, model_not_found, parse_body
 from splitserve.worker.quotas import CountedStream, admit
-from splitserve.worker.response_events import output_items, response_events, status_of
+from splitserve.worker.response_events import (
+    ResumedStream,
+    output_items,
+    released,
+    response_events,
+    status_of,
+)
 from splitserve.worker.response_input import (
     chat_request,
     engine_input,
@@ -58,6 +71,7 @@ from splitserve.worker.response_input import (
 )
 from splitserve.worker.response_store import ResponseStore, StoredResponse
 from splitserve.worker.responses import SSEResponse, collect
+from splitserve.worker.resume import resumed_input
 
 
 class _AnyObject(BaseModel):
@@ -75,6 +89,17 @@ class _Turn:
         self.context = context  # the conversation before this turn's output
         self.created_at = int(time.time())
         self.tools = bool(req.tools) and req.tool_choice != "none"
+
+    def resume(self, resume: ResponsesResume) -> None:
+        """Go on as the response another worker began (a 400 if it is not of this chain)."""
+        if not self.req.stream:
+            raise bad_request("a resumed response streams", param="stream")
+        if chain_of(resume.response_id) != self.chain:
+            raise bad_request(
+                "resume.response_id must be a response id of this request's chain",
+                param="resume.response_id",
+            )
+        self.id, self.created_at = resume.response_id, resume.created_at
 
     def messages(self) -> list[dict[str, Any]]:
         system = [{"role": "system", "content": self.req.instructions}]
@@ -98,7 +123,10 @@ def responses_routes(
         if req.model is not None and req.model != model.name:
             raise model_not_found(req.model)
         turn = _turn(req, request, store)
-        inp = engine_input(chat_request(req, turn.messages()), model)
+        if req.resume is not None:
+            turn.resume(req.resume)
+        chat = chat_request(req, turn.messages())
+        inp = resumed_input(chat, engine_input(chat, model), model)
         return await _serve(request, turn, inp, model, async_engine, metrics, auth, store, owners)
 
     @router.get(RESPONSES_PATH + "/{rid}")
@@ -171,6 +199,7 @@ async def _serve(
     store: ResponseStore,
     owners: KVOwners | None,
 ) -> Response:
+    resumed = _resumed_stream(turn, inp)  # checked before the engine has the request
     request.state.request_id, request.state.session = turn.id, turn.session
     salt = request.state.kv_salt = auth.salt(request, None, inp.prompt_token_ids)
     ticket = admit(
@@ -204,7 +233,8 @@ async def _serve(
         head = response_object(
             turn.id, model.name, turn.req, "in_progress", [], None, turn.created_at
         )
-        events = response_events(stream, tracker, head, turn.tools, finish)
+        ids = inp.prompt_token_ids if turn.req.return_token_ids else None
+        events = response_events(stream, tracker, head, turn.tools, finish, ids, resumed)
         return SSEResponse(events, headers={"Cache-Control": "no-cache"})
     try:
         out = await unless_disconnected(request, collect(stream, tracker))
@@ -213,6 +243,20 @@ async def _serve(
     except EngineError as e:
         raise APIError(500, str(e)) from e
     return JSONResponse(await finish(out, output_items(out, turn.tools)))
+
+
+def _resumed_stream(turn: _Turn, inp: EngineInput) -> ResumedStream | None:
+    resume = turn.req.resume
+    if resume is None:
+        return None
+    assert inp.resumed is not None
+    text = inp.resumed.text
+    if resume.message_id is None and released(text, turn.tools):
+        raise bad_request(
+            "resume.message_id must name the open message: the output has released text",
+            param="resume.message_id",
+        )
+    return ResumedStream(resume.sequence_number, resume.message_id, text)
 
 
 def _finish(
@@ -224,8 +268,9 @@ def _finish(
     store: ResponseStore,
 ) -> dict[str, Any]:
     """The finished response object, stored with its conversation when ``store`` is on."""
-    n_out = len(out.outputs[0].token_ids)
-    used = usage(len(out.prompt_token_ids), out.num_cached_tokens, n_out)
+    n_out, n_in = len(out.outputs[0].token_ids), len(out.prompt_token_ids)
+    # (A resumed response's cache may have held some of its output too: the prompt's part.)
+    used = usage(n_in, min(out.num_cached_tokens, n_in), n_out)
     body = response_object(
         turn.id, model.name, turn.req, status_of(out), items, used, turn.created_at
     )
