@@ -68,9 +68,11 @@ def unavailable_reason(model: torch.nn.Module, device: torch.device) -> str | No
 
 
 def _typed_list(arrays: list[np.ndarray]) -> Any:
-    out = numba.typed.List()
-    for array in arrays:
-        out.append(array)
+    # Built by cached compiled helpers: numba.typed.List's own methods compile afresh in
+    # every process (~2 s of a worker's start).
+    out = _list_of(arrays[0])
+    for array in arrays[1:]:
+        _append(out, array)
     return out
 
 
@@ -162,6 +164,16 @@ class FusedDecoder:
 
 
 if numba is not None:
+
+    @njit(cache=True)
+    def _list_of(first):
+        out = numba.typed.List()
+        out.append(first)
+        return out
+
+    @njit(cache=True)
+    def _append(out, array):
+        out.append(array)
 
     @njit(fastmath=_FAST, boundscheck=False, cache=True)
     def _gemv_cols(x, w, y, j0, j1):
