@@ -11,7 +11,8 @@
 // Every sum runs in an order fixed by the query's own position: never by the batch, the
 // chunk it came in, the thread count or a buffer's address. So a token gets the same bits
 // as a decode row or anywhere in a prefill chunk, alone or batched. A run's queries share
-// each widened K/V row, so a prefill chunk reads and widens its context once per 16 queries.
+// each K/V row (bfloat16 widened once, float32 read in place), so a prefill chunk reads and
+// widens its context once per 16 queries.
 // Work items go over torch's own intra-op threads (at::parallel_for): the op runs on the
 // engine thread's OpenMP team and starts no threads of its own.
 //
@@ -27,6 +28,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "vec16.h"
@@ -61,12 +64,18 @@ void attend(const float* q, int64_t qstride, int64_t nq, int64_t first, const T*
   auto length = [&](int64_t r) { return first + r; };
   auto sc = [&](int64_t r, int64_t j) { return scores + (r * g + j) * stride; };
 
-  // Widen positions [p, p + count) of `cache` into rows (count <= 16).
-  auto widen = [&](const T* cache, int64_t p, int64_t count) {
-    const T* block = cache + table[p / bs] * lay.block_stride + kv_head * hd;
-    for (int64_t i = 0; i < count; ++i) {
-      const T* row = block + (p % bs + i) * lay.pos_stride;
-      for (int c = 0; c < NC; ++c) store(rows + i * hd + c * kLanes, load_row(row + c * kLanes));
+  // Positions [p, p + count) of `cache` as float32 rows (count <= 16, within one block):
+  // float32 rows where they are, bfloat16 ones widened into `rows`. Returns the first row
+  // and the distance between rows.
+  auto widen = [&](const T* cache, int64_t p, int64_t count) -> std::pair<const float*, int64_t> {
+    const T* first = cache + table[p / bs] * lay.block_stride + (p % bs) * lay.pos_stride + kv_head * hd;
+    if constexpr (std::is_same_v<T, float>) {
+      return {first, lay.pos_stride};
+    } else {
+      for (int64_t i = 0; i < count; ++i)
+        for (int c = 0; c < NC; ++c)
+          store(rows + i * hd + c * kLanes, load_row(first + i * lay.pos_stride + c * kLanes));
+      return {rows, hd};
     }
   };
   // Spans of at most 16 positions that never cross a block; for a shorter query the same
@@ -74,15 +83,15 @@ void attend(const float* q, int64_t qstride, int64_t nq, int64_t first, const T*
   auto span = [&](int64_t p) { return std::min({(int64_t)kLanes, longest - p, bs - p % bs}); };
 
   for (int64_t p = 0; p < longest; p += span(p)) {
-    widen(kc, p, span(p));
+    const auto [krows, kstride] = widen(kc, p, span(p));
     for (int64_t r = std::max<int64_t>(0, p - first + 1); r < nq; ++r) {
       const int64_t count = std::min(span(p), length(r) - p);
       for (int64_t j = 0; j < g; ++j) {
         Vec qv[NC], dots[kLanes];
         for (int c = 0; c < NC; ++c) qv[c] = load(qs + (r * g + j) * hd + c * kLanes);
         for (int64_t i = 0; i < count; ++i) {
-          Vec d = mul(qv[0], load(rows + i * hd));
-          for (int c = 1; c < NC; ++c) d = fmadd(qv[c], load(rows + i * hd + c * kLanes), d);
+          Vec d = mul(qv[0], loadu(krows + i * kstride));
+          for (int c = 1; c < NC; ++c) d = fmadd(qv[c], loadu(krows + i * kstride + c * kLanes), d);
           dots[i] = d;
         }
         for (int64_t i = count; i < kLanes; ++i) dots[i] = zero();
@@ -115,7 +124,7 @@ void attend(const float* q, int64_t qstride, int64_t nq, int64_t first, const T*
   // Weighted values: each head's sums stay in registers over a span of positions.
   for (int64_t i = 0; i < nq * g * hd; ++i) acc[i] = 0.0f;
   for (int64_t p = 0; p < longest; p += span(p)) {
-    widen(vc, p, span(p));
+    const auto [vrows, vstride] = widen(vc, p, span(p));
     for (int64_t r = std::max<int64_t>(0, p - first + 1); r < nq; ++r) {
       const int64_t count = std::min(span(p), length(r) - p);
       for (int64_t j = 0; j < g; ++j) {
@@ -131,13 +140,13 @@ void attend(const float* q, int64_t qstride, int64_t nq, int64_t first, const T*
         for (; i + 1 < count; i += 2) {
           const Vec wi = set1(w[i]), wn = set1(w[i + 1]);
           for (int c = 0; c < NC; ++c) {
-            a[c] = fmadd(wi, load(rows + i * hd + c * kLanes), a[c]);
-            b[c] = fmadd(wn, load(rows + (i + 1) * hd + c * kLanes), b[c]);
+            a[c] = fmadd(wi, loadu(vrows + i * vstride + c * kLanes), a[c]);
+            b[c] = fmadd(wn, loadu(vrows + (i + 1) * vstride + c * kLanes), b[c]);
           }
         }
         if (i < count) {
           const Vec wi = set1(w[i]);
-          for (int c = 0; c < NC; ++c) a[c] = fmadd(wi, load(rows + i * hd + c * kLanes), a[c]);
+          for (int c = 0; c < NC; ++c) a[c] = fmadd(wi, loadu(vrows + i * vstride + c * kLanes), a[c]);
         }
         for (int c = 0; c < NC; ++c) store(a_row + c * kLanes, add(a[c], b[c]));
       }
