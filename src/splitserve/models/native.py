@@ -73,6 +73,8 @@ def load(name: str) -> str | None:
     reason = _load(name)
     if reason is not None:
         log.info("native kernel %s is off: %s", name, reason)
+    else:
+        log.info("native kernel %s: the %s build", name, variant(cpu_flags()))
     return reason
 
 
