@@ -15,7 +15,13 @@ Each round prefills ``--seqs`` random prompts of ``--context`` tokens (timed: pr
 and times ``--steps`` decode steps of all of them together; rounds alternate between the
 variants.
 
+``--layer`` instead times the two decode attention kernels alone on one layer of the bundled
+model's shape (``--seqs`` sequences of ``--context`` cached tokens, random K/V): numba against
+the C++ kernel (its AVX-512 or AVX2 build, ``models/native.py``), alternating, the minimum of 15
+calls per round.
+
     python benchmarks/decode_kernels.py [--seqs 16] [--context 256] [--dtype bfloat16] [--threads 1]
+    python benchmarks/decode_kernels.py --layer --seqs 64 --context 296 --dtype float32
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from router_peer import cpu_description  # noqa: E402
 
 from splitserve import LLM, SamplingParams  # noqa: E402
-from splitserve.models import paged_decode  # noqa: E402
+from splitserve.models import native, paged_decode  # noqa: E402
 from splitserve.models.llama import Linear  # noqa: E402
 
 VARIANTS = ("plain", "packed", "packed+paged-numba", "packed+paged")
@@ -47,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layer", action="store_true", help="time the attention kernels alone")
     return p.parse_args()
 
 
@@ -94,9 +102,54 @@ def one_round(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[float, fl
     return prefill, statistics.mean(times[1:])
 
 
+def one_layer(args: argparse.Namespace) -> None:
+    """numba against the C++ kernel on one layer's decode attention, alternating rounds."""
+    block, kv_heads, heads, head_dim = 16, 3, 9, 64  # SmolLM2-135M's
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(args.seed)
+    width = -(-args.context // block)
+    shape = (args.seqs * width + 1, block, kv_heads, head_dim)
+    kc, vc = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    rng = np.random.default_rng(args.seed)
+    tables = rng.permutation(shape[0])[: args.seqs * width].reshape(args.seqs, width)
+    lens = np.full(args.seqs, args.context, dtype=np.int64)
+    q = torch.randn(args.seqs, heads, head_dim, generator=gen).to(dtype)
+    isa = native.variant(native.cpu_flags())
+    off = native.load("paged_decode")
+    print(f"CPU: {cpu_description()}")
+    print(f"C++ build: {isa if off is None else 'off: ' + off}")
+    print(f"{args.seqs} sequences of {args.context} tokens, {args.dtype}, {args.threads} thread(s)")
+    kernels = {"numba": False, "C++": True} if off is None else {"numba": False}
+
+    def best(use_native: bool) -> float:
+        times = []
+        for _ in range(15):
+            start = time.perf_counter()
+            paged_decode.decode_attention(
+                q, kc, vc, tables, lens, head_dim**-0.5, args.threads, use_native
+            )
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    for use_native in kernels.values():  # warm-up: compile, fault the pages in
+        best(use_native)
+    times: dict[str, list[float]] = {k: [] for k in kernels}
+    for _ in range(args.rounds):
+        for name, use_native in kernels.items():
+            times[name].append(best(use_native))
+    base = statistics.median(times["numba"])
+    for name in kernels:
+        ms = statistics.median(times[name])
+        rounds = ", ".join(f"{t * 1e3:.2f}" for t in times[name])
+        print(f"{name:6s} {ms * 1e3:6.2f} ms a layer {base / ms:.2f}x numba (rounds: {rounds})")
+
+
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
+    if args.layer:
+        one_layer(args)
+        return
     llm = LLM(dtype=args.dtype, threads=args.threads, fused_decode=False)
     rng = random.Random(args.seed)
     vocab = llm.engine.runner.config.vocab_size

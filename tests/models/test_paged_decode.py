@@ -131,8 +131,8 @@ def test_native_kernel_turns_off_with_a_reason(monkeypatch, tmp_path):
     monkeypatch.setenv(native.OFF_ENV, "another, paged_decode")
     assert native._load("paged_decode") == f"{native.OFF_ENV} names it"
     monkeypatch.delenv(native.OFF_ENV)
-    if "avx512f" not in native.cpu_flags():
-        pytest.skip("the CPU lacks avx512f")
+    if native.variant(native.cpu_flags()) is None:
+        pytest.skip("the CPU has neither avx512f nor avx2 and fma")
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a compiler that fails at once
     assert native._load("paged_decode").startswith("building paged_decode.cpp failed")
@@ -141,8 +141,38 @@ def test_native_kernel_turns_off_with_a_reason(monkeypatch, tmp_path):
 
 def test_every_kernel_source_is_listed_and_builds_here():
     """``make install`` builds ``native.KERNELS``: every source under csrc/ is among them,
-    and on a machine with AVX-512 and g++ each one loads."""
+    and on a machine with AVX-512 or AVX2 and g++ each one loads."""
     assert sorted(p.stem for p in native.CSRC.glob("*.cpp")) == sorted(native.KERNELS)
-    if "avx512f" not in native.cpu_flags():
-        pytest.skip("the CPU lacks avx512f")
+    if native.variant(native.cpu_flags()) is None:
+        pytest.skip("the CPU has neither avx512f nor avx2 and fma")
     assert native.load_all() == {name: None for name in native.KERNELS}
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ("fpu sse4_2 avx avx2 fma avx512f avx512bw avx512_bf16", "avx512"),
+        ("fpu avx2 avx512f", "avx512"),  # AVX-512 needs nothing else here
+        ("fpu sse4_2 avx f16c fma avx2 bmi2", "avx2"),  # this project's AMD EPYC VMs
+        ("fpu sse4_2 avx avx2", None),  # AVX2 without FMA
+        ("fpu sse4_2 avx fma", None),
+        ("", None),  # /proc/cpuinfo unreadable
+    ],
+)
+def test_the_build_is_picked_by_the_cpu_flags(flags, expected):
+    assert native.variant(frozenset(flags.split())) == expected
+
+
+def test_each_variant_builds_apart(monkeypatch, tmp_path):
+    """The variant is in the build's name (and digest): a cache shared by an AVX2 and an
+    AVX-512 machine holds one build of each, and neither loads the other's."""
+    name = native.variant(native.cpu_flags())
+    if name is None:
+        pytest.skip("the CPU has neither avx512f nor avx2 and fma")
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    built = []
+    monkeypatch.setattr(native, "_build", lambda *args: built.append(args) or "stopped here")
+    assert native._load("paged_decode") == "stopped here"
+    (_, source, target, defines) = built[0]
+    assert target.name.startswith(f"paged_decode-{name}-")
+    assert defines == (f"-DSPLITSERVE_{name.upper()}",)

@@ -2,11 +2,13 @@
 
 Each source is built once with the system's ``g++`` against the installed torch (``-O3
 -march=native``, a few seconds) into ``$XDG_CACHE_HOME/splitserve/kernels`` (or
-``SPLITSERVE_KERNEL_CACHE``), named by a digest of the source, torch's version, the flags and
-the CPU's flags, and loaded with ``torch.ops.load_library``: the ops then appear under
-``torch.ops.splitserve``. Where there is no compiler, no AVX-512, or the build fails, ``load``
-returns the reason and the caller keeps its portable path. ``SPLITSERVE_NATIVE=0`` turns every
-native kernel off, ``SPLITSERVE_NATIVE_OFF=name,...`` the ones named (``KERNELS``).
+``SPLITSERVE_KERNEL_CACHE``), named by a digest of the sources, torch's version, the flags, the
+variant and the CPU's flags, and loaded with ``torch.ops.load_library``: the ops then appear
+under ``torch.ops.splitserve``. The variant is the widest vector ISA the CPU has (``VARIANTS``:
+AVX-512, else AVX2 with FMA; ``csrc/vec16.h`` holds the lanes of each). Where there is no
+compiler, neither ISA, or the build fails, ``load`` returns the reason and the caller keeps its
+portable path. ``SPLITSERVE_NATIVE=0`` turns every native kernel off,
+``SPLITSERVE_NATIVE_OFF=name,...`` the ones named (``KERNELS``).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ SWITCH_ENV = "SPLITSERVE_NATIVE"
 OFF_ENV = "SPLITSERVE_NATIVE_OFF"
 CSRC = Path(__file__).parent / "csrc"
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++20")
-# What every kernel here needs of the CPU (/proc/cpuinfo names).
-REQUIRED_CPU_FLAGS = ("avx512f",)
+# The builds, best first: a name (its -DSPLITSERVE_<NAME> selects csrc/vec16.h's lanes) and
+# the CPU flags it needs (/proc/cpuinfo names).
+VARIANTS = (("avx512", ("avx512f",)), ("avx2", ("avx2", "fma")))
 KERNELS = ("paged_decode",)  # the sources under csrc/
 
 
@@ -40,6 +43,15 @@ def cache_dir() -> Path:
         return Path(configured).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "splitserve" / "kernels"
+
+
+def variant(flags: frozenset[str]) -> str | None:
+    """The build a CPU with ``flags`` gets: the first of ``VARIANTS`` whose flags it has, or
+    ``None``."""
+    for name, needs in VARIANTS:
+        if all(f in flags for f in needs):
+            return name
+    return None
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
@@ -61,6 +73,8 @@ def load(name: str) -> str | None:
     reason = _load(name)
     if reason is not None:
         log.info("native kernel %s is off: %s", name, reason)
+    else:
+        log.info("native kernel %s: the %s build", name, variant(cpu_flags()))
     return reason
 
 
@@ -76,27 +90,30 @@ def _load(name: str) -> str | None:
     if name in os.environ.get(OFF_ENV, "").replace(" ", "").split(","):
         return f"{OFF_ENV} names it"
     flags = cpu_flags()
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
+    isa = variant(flags)
+    if isa is None:
+        return "the CPU has neither avx512f nor avx2 and fma"
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         return "no C++ compiler (g++ or $CXX) on PATH"
     source = CSRC / f"{name}.cpp"
+    defines = (f"-DSPLITSERVE_{isa.upper()}",)
     digest = hashlib.sha256()
+    for header in sorted(CSRC.glob("*.h")):  # what the sources include
+        digest.update(header.read_bytes())
     for part in (source.read_bytes(), torch.__version__.encode(), " ".join(_FLAGS).encode()):
         digest.update(part)
-    digest.update(" ".join(sorted(flags)).encode())
-    target = cache_dir() / f"{name}-{digest.hexdigest()[:20]}.so"
+    digest.update(" ".join((*defines, *sorted(flags))).encode())
+    target = cache_dir() / f"{name}-{isa}-{digest.hexdigest()[:20]}.so"
     if not target.exists():
-        error = _build(compiler, source, target)
+        error = _build(compiler, source, target, defines)
         if error is not None:
             return error
     torch.ops.load_library(str(target))
     return None
 
 
-def _build(compiler: str, source: Path, target: Path) -> str | None:
+def _build(compiler: str, source: Path, target: Path, defines: tuple[str, ...]) -> str | None:
     from torch.utils import cpp_extension
 
     torch_lib = Path(torch.__file__).parent / "lib"
@@ -108,6 +125,7 @@ def _build(compiler: str, source: Path, target: Path) -> str | None:
     cmd = [
         compiler,
         *_FLAGS,
+        *defines,
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{p}" for p in cpp_extension.include_paths()),
         str(source),

@@ -1,5 +1,6 @@
-"""Decode attention that reads K/V in place from the paged cache: a C++ kernel with AVX-512
-(``csrc/paged_decode.cpp``, built by ``models.native``) where the CPU has it, numba elsewhere.
+"""Decode attention that reads K/V in place from the paged cache: a C++ kernel
+(``csrc/paged_decode.cpp``, built by ``models.native`` with AVX-512 or AVX2 + FMA) where the
+CPU has either, numba elsewhere.
 
 The torch path gathers each decode group's pages into a padded ``[n, kvh, S, hd]`` copy and
 runs SDPA with a mask; for one query token per sequence that is mostly copying and per-call
@@ -16,7 +17,8 @@ bfloat16 rows are widened to float32 by placing their bits in the upper half of 
 word (exact); float32 rows are taken as they are. Sums run in float32 in a fixed order that
 depends only on the sequence itself, so a sequence gets the same result alone or in any
 batch, at any thread count. The C++ kernel does the same work 16 positions at a time: their
-rows widened once, each query head's 16 dot products summed across lanes by one fixed tree,
+rows read once (bfloat16 widened), each query head's 16 dot products summed across lanes by one
+fixed tree (in 16-float vectors: one AVX-512 register or two AVX2 ones, ``csrc/vec16.h``),
 the softmax's exp vectorised; its threads are torch's own (the engine's OpenMP team).
 """
 

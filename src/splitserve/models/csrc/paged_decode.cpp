@@ -1,5 +1,5 @@
-// Attention over the paged KV cache, in place, with AVX-512 (see models/paged_decode.py):
-// decode rows (one query per sequence) and prefill chunks (many queries of one sequence).
+// Attention over the paged KV cache, in place (see models/paged_decode.py): decode rows (one
+// query per sequence) and prefill chunks (many queries of one sequence).
 //
 // Both run one routine, `attend`, on a run of queries of one sequence that share a kv head:
 // query q sees positions [0, first + q). For each query head j that shares the kv head:
@@ -11,86 +11,40 @@
 // Every sum runs in an order fixed by the query's own position: never by the batch, the
 // chunk it came in, the thread count or a buffer's address. So a token gets the same bits
 // as a decode row or anywhere in a prefill chunk, alone or batched. A run's queries share
-// each widened K/V row, so a prefill chunk reads and widens its context once per 16 queries.
+// each K/V row (bfloat16 widened once, float32 read in place), so a prefill chunk reads and
+// widens its context once per 16 queries.
 // Work items go over torch's own intra-op threads (at::parallel_for): the op runs on the
 // engine thread's OpenMP team and starts no threads of its own.
+//
+// The routine computes on 16-float vectors (`Vec`, lanes.h): one AVX-512 register where
+// models/native.py builds with SPLITSERVE_AVX512, two AVX2 registers with SPLITSERVE_AVX2.
+// Both take the same operations in the same order (the same lane-sum trees), so the two
+// builds are meant to give the same bits.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 #include <vector>
+
+#include "vec16.h"
 
 namespace {
 
-constexpr int kLanes = 16;
+using namespace vec16;
+
+constexpr int kLanes = 16;  // a Vec's; positions per span
 constexpr int64_t kMaxGroup = 8;   // query heads per kv head
 constexpr int64_t kQueryRun = 16;  // prefill queries per work item
-
-// exp(x) for x <= 0: 2^n * e^r with n = round(x / ln 2) and a degree-6 polynomial in r.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // e^-104 is 0 in float32
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// Sixteen elements of a cache row as float32: bfloat16 bits shifted into the upper half of a
-// 32-bit word (exact), or float32 as it is.
-template <typename T>
-inline __m512 load16(const T* src);
-
-template <>
-inline __m512 load16<uint16_t>(const uint16_t* src) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-template <>
-inline __m512 load16<float>(const float* src) {
-  return _mm512_loadu_ps(src);
-}
 
 struct Layout {
   int64_t block_size, block_stride, pos_stride, head_dim, group;
 };
-
-// Sixteen vectors in, one out: lane i holds the sum of v[i]'s lanes. Halves, then quarters,
-// then pairs, then single lanes of two sources are added at each level; a fixed tree.
-inline __m512 sum_lanes16(__m512 v[16]) {
-  __m512 u[8], w[4], z[2];
-  for (int i = 0; i < 8; ++i)
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    z[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
-  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
-  // f holds the sources in lane order 0 4 8 12 1 5 9 13 2 6 10 14 3 7 11 15.
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, f);
-}
-
-inline __mmask16 first_lanes(int64_t count) {
-  return count >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
-}
 
 // A run of `nq` queries of one sequence on one kv head, with NC = head_dim / 16. Query q
 // (rows q * qstride of `q` and `out`, its g heads contiguous) sees positions
@@ -110,12 +64,18 @@ void attend(const float* q, int64_t qstride, int64_t nq, int64_t first, const T*
   auto length = [&](int64_t r) { return first + r; };
   auto sc = [&](int64_t r, int64_t j) { return scores + (r * g + j) * stride; };
 
-  // Widen positions [p, p + count) of `cache` into rows (count <= 16).
-  auto widen = [&](const T* cache, int64_t p, int64_t count) {
-    const T* block = cache + table[p / bs] * lay.block_stride + kv_head * hd;
-    for (int64_t i = 0; i < count; ++i) {
-      const T* row = block + (p % bs + i) * lay.pos_stride;
-      for (int c = 0; c < NC; ++c) _mm512_store_ps(rows + i * hd + c * kLanes, load16(row + c * kLanes));
+  // Positions [p, p + count) of `cache` as float32 rows (count <= 16, within one block):
+  // float32 rows where they are, bfloat16 ones widened into `rows`. Returns the first row
+  // and the distance between rows.
+  auto widen = [&](const T* cache, int64_t p, int64_t count) -> std::pair<const float*, int64_t> {
+    const T* first = cache + table[p / bs] * lay.block_stride + (p % bs) * lay.pos_stride + kv_head * hd;
+    if constexpr (std::is_same_v<T, float>) {
+      return {first, lay.pos_stride};
+    } else {
+      for (int64_t i = 0; i < count; ++i)
+        for (int c = 0; c < NC; ++c)
+          store(rows + i * hd + c * kLanes, load_row(first + i * lay.pos_stride + c * kLanes));
+      return {rows, hd};
     }
   };
   // Spans of at most 16 positions that never cross a block; for a shorter query the same
@@ -123,19 +83,19 @@ void attend(const float* q, int64_t qstride, int64_t nq, int64_t first, const T*
   auto span = [&](int64_t p) { return std::min({(int64_t)kLanes, longest - p, bs - p % bs}); };
 
   for (int64_t p = 0; p < longest; p += span(p)) {
-    widen(kc, p, span(p));
+    const auto [krows, kstride] = widen(kc, p, span(p));
     for (int64_t r = std::max<int64_t>(0, p - first + 1); r < nq; ++r) {
       const int64_t count = std::min(span(p), length(r) - p);
       for (int64_t j = 0; j < g; ++j) {
-        __m512 qv[NC], dots[kLanes];
-        for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_ps(qs + (r * g + j) * hd + c * kLanes);
+        Vec qv[NC], dots[kLanes];
+        for (int c = 0; c < NC; ++c) qv[c] = load(qs + (r * g + j) * hd + c * kLanes);
         for (int64_t i = 0; i < count; ++i) {
-          __m512 d = _mm512_mul_ps(qv[0], _mm512_load_ps(rows + i * hd));
-          for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(qv[c], _mm512_load_ps(rows + i * hd + c * kLanes), d);
+          Vec d = mul(qv[0], loadu(krows + i * kstride));
+          for (int c = 1; c < NC; ++c) d = fmadd(qv[c], loadu(krows + i * kstride + c * kLanes), d);
           dots[i] = d;
         }
-        for (int64_t i = count; i < kLanes; ++i) dots[i] = _mm512_setzero_ps();
-        _mm512_mask_storeu_ps(sc(r, j) + p, first_lanes(count), sum_lanes16(dots));
+        for (int64_t i = count; i < kLanes; ++i) dots[i] = zero();
+        store_first(sc(r, j) + p, first_lanes(count), sum_lanes16(dots));
       }
     }
   }
@@ -146,58 +106,58 @@ void attend(const float* q, int64_t qstride, int64_t nq, int64_t first, const T*
     const int64_t len = length(r);
     for (int64_t j = 0; j < g; ++j) {
       float* s = sc(r, j);
-      __m512 best = _mm512_set1_ps(-__builtin_inff());
+      Vec best = set1(-__builtin_inff());
       for (int64_t p = 0; p < len; p += kLanes)
-        best = _mm512_mask_max_ps(best, first_lanes(len - p), best, _mm512_loadu_ps(s + p));
-      const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
-      __m512 total = _mm512_setzero_ps();
+        best = max_first(best, first_lanes(len - p), loadu(s + p));
+      const Vec top = set1(reduce_max(best));
+      Vec total = zero();
       for (int64_t p = 0; p < len; p += kLanes) {
-        const __mmask16 m = first_lanes(len - p);
-        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + p), top));
-        _mm512_mask_storeu_ps(s + p, m, e);
-        total = _mm512_mask_add_ps(total, m, total, e);
+        const Mask m = first_lanes(len - p);
+        const Vec e = exp_nonpositive(sub(load_first(m, s + p), top));
+        store_first(s + p, m, e);
+        total = add_first(total, m, e);
       }
-      totals[r * g + j] = _mm512_reduce_add_ps(total);
+      totals[r * g + j] = reduce_add(total);
     }
   }
 
   // Weighted values: each head's sums stay in registers over a span of positions.
   for (int64_t i = 0; i < nq * g * hd; ++i) acc[i] = 0.0f;
   for (int64_t p = 0; p < longest; p += span(p)) {
-    widen(vc, p, span(p));
+    const auto [vrows, vstride] = widen(vc, p, span(p));
     for (int64_t r = std::max<int64_t>(0, p - first + 1); r < nq; ++r) {
       const int64_t count = std::min(span(p), length(r) - p);
       for (int64_t j = 0; j < g; ++j) {
         float* a_row = acc + (r * g + j) * hd;
-        __m512 a[NC];
-        for (int c = 0; c < NC; ++c) a[c] = _mm512_load_ps(a_row + c * kLanes);
+        Vec a[NC];
+        for (int c = 0; c < NC; ++c) a[c] = load(a_row + c * kLanes);
         const float* w = sc(r, j) + p;
         // Even and odd positions in two chains (one fused multiply-add waits for the last),
         // joined at the span's end.
-        __m512 b[NC];
-        for (int c = 0; c < NC; ++c) b[c] = _mm512_setzero_ps();
+        Vec b[NC];
+        for (int c = 0; c < NC; ++c) b[c] = zero();
         int64_t i = 0;
         for (; i + 1 < count; i += 2) {
-          const __m512 wi = _mm512_set1_ps(w[i]), wn = _mm512_set1_ps(w[i + 1]);
+          const Vec wi = set1(w[i]), wn = set1(w[i + 1]);
           for (int c = 0; c < NC; ++c) {
-            a[c] = _mm512_fmadd_ps(wi, _mm512_load_ps(rows + i * hd + c * kLanes), a[c]);
-            b[c] = _mm512_fmadd_ps(wn, _mm512_load_ps(rows + (i + 1) * hd + c * kLanes), b[c]);
+            a[c] = fmadd(wi, loadu(vrows + i * vstride + c * kLanes), a[c]);
+            b[c] = fmadd(wn, loadu(vrows + (i + 1) * vstride + c * kLanes), b[c]);
           }
         }
         if (i < count) {
-          const __m512 wi = _mm512_set1_ps(w[i]);
-          for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(wi, _mm512_load_ps(rows + i * hd + c * kLanes), a[c]);
+          const Vec wi = set1(w[i]);
+          for (int c = 0; c < NC; ++c) a[c] = fmadd(wi, loadu(vrows + i * vstride + c * kLanes), a[c]);
         }
-        for (int c = 0; c < NC; ++c) _mm512_store_ps(a_row + c * kLanes, _mm512_add_ps(a[c], b[c]));
+        for (int c = 0; c < NC; ++c) store(a_row + c * kLanes, add(a[c], b[c]));
       }
     }
   }
   for (int64_t r = 0; r < nq; ++r)
     for (int64_t j = 0; j < g; ++j) {
-      const __m512 inv = _mm512_set1_ps(1.0f / totals[r * g + j]);
+      const Vec inv = set1(1.0f / totals[r * g + j]);
       const float* a_row = acc + (r * g + j) * hd;
       for (int c = 0; c < NC; ++c)
-        _mm512_storeu_ps(out + r * qstride + j * hd + c * kLanes, _mm512_mul_ps(_mm512_load_ps(a_row + c * kLanes), inv));
+        storeu(out + r * qstride + j * hd + c * kLanes, mul(load(a_row + c * kLanes), inv));
     }
 }
 
