@@ -387,7 +387,7 @@ def test_autoscale_moves_the_split_as_the_simulator_predicts_when_prompts_grow(c
     slo = "ttft:3000,tpot:250"
     args = ["--ray-name", "auto", "--prefill", "1", "--decode", "1", "--autoscale"]
     args += ["--policy", "kv-events"]  # a decode worker that joins is subscribed to as well
-    args += ["--autoscale-interval", "15", "--autoscale-slo", slo, "--autoscale-host-cores", "2"]
+    args += ["--autoscale-interval", "10", "--autoscale-slo", slo, "--autoscale-host-cores", "2"]
     planner = Planner(SLO.parse(slo), host_cores=2, remote_prefill_threshold=64)
     for d in serve(cluster, args):
         with Load(d.routers, clients=1, max_tokens=16, prompt="Say hi.") as load:

@@ -7,7 +7,7 @@ import pytest
 from fuzzing import campaign
 
 pytestmark = pytest.mark.timeout(300)
-CASES = 150  # per server: about 30 s for both on two cores
+CASES = 80  # per server (make fuzz runs 2,000+)
 
 
 def test_generated_requests_get_no_5xx_and_no_hang(fuzz_stack):
