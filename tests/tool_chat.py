@@ -23,3 +23,25 @@ def few_shot_tool_calls(city: str) -> list[dict]:
         messages.append({"role": "user", "content": f"Weather in {past}?"})
         messages.append({"role": "assistant", "content": shot % past})
     return messages + [{"role": "user", "content": f"Weather in {city}?"}]
+
+
+# Arguments the model would not write unconstrained: the grammar mask decides them.
+FORECAST_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Lisboa, Portugal", "Porto, Portugal"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+}
+
+
+def forecast_tool(responses: bool = False) -> dict:
+    """``get_forecast`` with ``FORECAST_PARAMETERS``: in chat's shape, or the Responses API's
+    (flat: no ``function`` object)."""
+    function = {"name": "get_forecast", "parameters": FORECAST_PARAMETERS}
+    return (
+        {"type": "function", **function}
+        if responses
+        else {"type": "function", "function": function}
+    )

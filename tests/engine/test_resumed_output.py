@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tool_chat import WEATHER_TOOL, few_shot_tool_calls
+from tool_chat import FORECAST_PARAMETERS, WEATHER_TOOL, few_shot_tool_calls
 
 from splitserve.common.sampling_params import InvalidParameter, SamplingParams
 from splitserve.engine.detokenizer import IncrementalDetokenizer
@@ -72,20 +72,10 @@ CASES = {
 }
 
 
-# Arguments the model would not write unconstrained, so the mask decides part of the call.
+# get_weather with arguments the model would not write unconstrained: the mask decides them.
 FORECAST_TOOL = {
     "type": "function",
-    "function": {
-        **WEATHER_TOOL["function"],
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"enum": ["Lisboa, Portugal", "Porto, Portugal"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-        },
-    },
+    "function": {**WEATHER_TOOL["function"], "parameters": FORECAST_PARAMETERS},
 }
 
 

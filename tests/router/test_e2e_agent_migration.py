@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 import pytest
-from tool_chat import WEATHER_TOOL, few_shot_tool_calls
+from tool_chat import WEATHER_TOOL, few_shot_tool_calls, forecast_tool
 
 from splitserve.router.proxy import DECODE_HEADER
 
@@ -31,20 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MIGRATED = ": splitserve migrated to"
 KILL_AFTER_TOKENS = 8  # every stream has streamed this many token ids when its worker dies
-FORECAST_TOOL = {  # arguments the model would not write unconstrained: the mask decides them
-    "type": "function",
-    "function": {
-        "name": "get_forecast",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"enum": ["Lisboa, Portugal", "Porto, Portugal"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-        },
-    },
-}
+FORECAST_TOOL = forecast_tool()
 FLAG = {
     "type": "object",
     "properties": {

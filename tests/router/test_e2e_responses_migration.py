@@ -23,6 +23,7 @@ from typing import Any
 
 import openai
 import pytest
+from tool_chat import forecast_tool
 
 from splitserve.common.responses_api import CHAIN_HEADER
 from splitserve.router.proxy import DECODE_HEADER
@@ -37,18 +38,7 @@ MIGRATED = ": splitserve migrated to"
 ADMIN_KEY = "admin-key"  # the membership endpoints need one
 KILL_AFTER_DELTAS = 8  # every text stream has had this many text deltas when its worker dies
 MAX_OUTPUT_TOKENS = 48
-FORECAST_TOOL = {  # arguments the model would not write unconstrained: the mask decides them
-    "type": "function",
-    "name": "get_forecast",
-    "parameters": {
-        "type": "object",
-        "properties": {
-            "city": {"enum": ["Lisboa, Portugal", "Porto, Portugal"]},
-            "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        },
-        "required": ["city", "days"],
-    },
-}
+FORECAST_TOOL = forecast_tool(responses=True)  # the mask decides its arguments
 STORY = "Write a long story about a lighthouse keeper and the storms he has seen."
 CASES: dict[str, dict[str, Any]] = {
     "greedy": {"input": STORY, "temperature": 0},

@@ -152,7 +152,29 @@ def resumable_request(body: dict[str, Any], engine: str = "builtin") -> bool:
     return not any(body.get(f) for f in ("presence_penalty", "frequency_penalty"))
 
 
-class StreamRelay:
+class EventRelay:
+    """One leg's raw upstream bytes to the client's, event by event: ``feed`` each piece,
+    ``end`` when the leg's stream ends (raising ``IncompleteStream`` if it ended early)."""
+
+    _partial: bytes  # the current leg's bytes after its last complete event
+
+    def feed(self, piece: bytes) -> bytes:
+        raise NotImplementedError
+
+    def end(self) -> None:
+        raise NotImplementedError
+
+    async def relay(self, raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The client's bytes for one leg's raw upstream bytes; raises ``IncompleteStream``."""
+        self._partial = b""
+        async for piece in raw:
+            out = self.feed(piece)
+            if out:
+                yield out
+        self.end()
+
+
+class StreamRelay(EventRelay):
     """Relays one request's SSE stream leg by leg, recording tokens and re-shaping chunks.
 
     The first leg comes from the worker the client asked (chat or completion chunks); every
@@ -166,15 +188,6 @@ class StreamRelay:
         self.continued = continued
         self.resumed = False
         self._partial = b""  # the current leg's bytes after its last complete event
-
-    async def relay(self, raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """The client's bytes for one leg's raw upstream bytes; raises ``IncompleteStream``."""
-        self._partial = b""
-        async for piece in raw:
-            out = self.feed(piece)
-            if out:
-                yield out
-        self.end()
 
     def feed(self, piece: bytes) -> bytes:
         """The client's bytes for the leg's next raw bytes (b"": no event completed yet).

@@ -25,14 +25,14 @@ events are one step: the response was complete, and stored, on the dead worker).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from splitserve.common.responses_api import TOKEN_IDS_EVENT
-from splitserve.router.migration import IncompleteStream
+from splitserve.router.migration import EventRelay, IncompleteStream
 
 DEFAULT_FAILURE = "the decode worker failed mid-stream and no worker could resume it"
 # The events that end a response's output (all in its last step), and those that end it.
@@ -98,7 +98,7 @@ class ResponsesLog:
         return self.done
 
 
-class ResponsesRelay:
+class ResponsesRelay(EventRelay):
     """Relays one streamed response leg by leg (the interface ``resume.Resumer`` drives, as
     ``migration.StreamRelay``'s); every leg's events pass unchanged but for the stripped
     token-id events."""
@@ -109,15 +109,6 @@ class ResponsesRelay:
         self.log = log
         self.body = body
         self._partial = b""
-
-    async def relay(self, raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """The client's bytes for one leg's raw upstream bytes; raises ``IncompleteStream``."""
-        self._partial = b""
-        async for piece in raw:
-            out = self.feed(piece)
-            if out:
-                yield out
-        self.end()
 
     def feed(self, piece: bytes) -> bytes:
         *events, self._partial = (self._partial + piece).split(b"\n\n")
