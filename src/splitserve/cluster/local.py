@@ -67,10 +67,13 @@ class WorkerProcess:
             pass
 
 
-def healthy(url: str, path: str = "/health", ca: str | None = None) -> bool:
+def healthy(url: str, path: str = "/health", ca: str | ssl.SSLContext | None = None) -> bool:
     """Whether the server at ``url`` answers ``path`` with 200; ``ca``: what an https://
-    server's certificate is verified against (default: httpx's usual trust)."""
-    verify: ssl.SSLContext | bool = True if ca is None else _ca_context(ca)
+    server's certificate is verified against, a CA file or a client context (default:
+    httpx's usual trust)."""
+    verify: ssl.SSLContext | bool = True
+    if ca is not None:
+        verify = _ca_context(ca) if isinstance(ca, str) else ca
     try:
         return httpx.get(f"{url}{path}", timeout=2.0, verify=verify).status_code == 200
     except httpx.HTTPError:

@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from splitserve.cluster.local import healthy
 from splitserve.cluster.ray_host import ProcessHost
 from splitserve.cluster.ray_plan import (
     ROUTER,
@@ -54,13 +55,13 @@ class Controller:
         self._loop: threading.Thread | None = None
         self.log: list[str] = []
         self._ca = None
-        self._verify: ssl.SSLContext | bool = True
+        self._ca_context: ssl.SSLContext | None = None  # verifies every process with --tls
         if plan.tls:
             from splitserve.cluster.tls import DeploymentCA
             from splitserve.common.tls import client_context
 
             self._ca = DeploymentCA()
-            self._verify = client_context(cadata=self._ca.ca_pem)
+            self._ca_context = client_context(cadata=self._ca.ca_pem)
         self._autoscaler = None
         if plan.autoscale is not None:
             from splitserve.cluster.autoscale import Autoscaler, Planner
@@ -71,6 +72,11 @@ class Controller:
             self._autoscaler = Autoscaler(
                 planner, plan.autoscale_interval, headers, verify=self._verify
             )
+
+    @property
+    def _verify(self) -> ssl.SSLContext | bool:
+        """httpx's ``verify`` for the deployment's processes."""
+        return True if self._ca_context is None else self._ca_context
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -219,7 +225,7 @@ class Controller:
                 continue  # still waiting for a node with room
             if self._dead(slot):
                 self._replace(slot)
-            elif slot.state == "starting" and self._healthy(slot.url):
+            elif slot.state == "starting" and healthy(slot.url, ca=self._ca_context):
                 with self._lock:  # a scale-down may have marked it draining meanwhile
                     if slot.state != "starting":
                         continue
@@ -363,19 +369,15 @@ class Controller:
             for slot in pending:
                 if self._place(slot) and self._dead(slot):
                     raise RuntimeError(f"{slot.name} exited before it became healthy")
-            pending = [s for s in pending if s.url is None or not self._healthy(s.url)]
+            pending = [
+                s for s in pending if s.url is None or not healthy(s.url, ca=self._ca_context)
+            ]
             if pending and time.monotonic() > deadline:
                 names = ", ".join(s.name for s in pending)
                 raise RuntimeError(f"{names} did not become healthy")
             time.sleep(0.2)
         for slot in slots:
             slot.state = "ready"
-
-    def _healthy(self, url: str) -> bool:
-        try:
-            return httpx.get(f"{url}/health", timeout=2.0, verify=self._verify).status_code == 200
-        except httpx.HTTPError:
-            return False
 
     def _note(self, line: str) -> None:
         stamped = f"{time.strftime('%H:%M:%S')} {line}"
@@ -395,8 +397,9 @@ def worker_load(
     try:
         with httpx.Client(headers=headers, timeout=5, verify=verify) as http:
             r = http.get(f"{url}/load")
-            if r.status_code == 200 and "running" in r.json():
-                return r.json()
+            load = r.json() if r.status_code == 200 else {}
+            if "running" in load:
+                return load
             # vLLM answers /load with its own shape (server_load), or 404 without tracking
             report = load_from_metrics(http.get(f"{url}/metrics").text)
     except (httpx.HTTPError, ValueError):
