@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import secrets
 import sys
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -55,6 +55,13 @@ def add_ray_serve_args(p: argparse.ArgumentParser) -> None:
     )
     a.add_argument("--autoscale-slo", default="ttft:1000,tpot:250", metavar="SLO")
     a.add_argument("--autoscale-interval", type=float, default=30.0, metavar="SECONDS")
+    a.add_argument(
+        "--autoscale-patience",
+        type=int,
+        default=2,
+        metavar="N",
+        help="a better split must win N decisions in a row before the pools resize (default 2)",
+    )
     a.add_argument("--autoscale-hardware", default="cpu-local", metavar="PROFILE")
     a.add_argument(
         "--autoscale-calibration", default=None, metavar="FILE", help="a `sim calibrate` file"
@@ -79,12 +86,15 @@ def _autoscale_args(args: argparse.Namespace, topology: Topology) -> dict | None
         raise ValueError("--autoscale splits the workers between the pools: it needs >= 2")
     if not args.autoscale_interval > 0:
         raise ValueError(f"--autoscale-interval must be > 0, got {args.autoscale_interval}")
+    if args.autoscale_patience < 1:
+        raise ValueError(f"--autoscale-patience must be >= 1, got {args.autoscale_patience}")
     return {
         "slo": SLO.parse(args.autoscale_slo),
         "hardware": args.autoscale_hardware,
         "calibration": args.autoscale_calibration,
         "host_cores": args.autoscale_host_cores,
         "remote_prefill_threshold": args.remote_prefill_threshold,
+        "patience": args.autoscale_patience,
     }
 
 
@@ -166,6 +176,14 @@ def add_cluster_parser(sub) -> None:
         )
         _add_name_arg(q)
     status.add_argument("--json", action="store_true", help='{"nodes": [...], "workers": [...]}')
+    status.add_argument(
+        "--watch",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="print the status again every SECONDS until interrupted (with --json: one "
+        "document per line)",
+    )
     status.set_defaults(func=cmd_cluster_status)
     scale.add_argument("--prefill", type=int, default=None, metavar="N")
     scale.add_argument("--decode", type=int, default=None, metavar="M")
@@ -173,13 +191,44 @@ def add_cluster_parser(sub) -> None:
 
 
 def cmd_cluster_status(args: argparse.Namespace) -> int:
+    import ray
+
     from splitserve.cluster.ray_serve import connect, controller, status, status_table
 
-    with contextlib.redirect_stdout(sys.stderr):  # what Ray prints is not the answer
-        connect(args.ray, join_only=True)
-        data = status(controller(args.ray_name))
-    print(json.dumps(data, indent=2) if args.json else status_table(data), flush=True)
-    return 0
+    if args.watch is not None and not args.watch > 0:
+        raise ValueError(f"--watch must be > 0 seconds, got {args.watch}")
+    out = _stdout_for_answers_only()
+    connect(args.ray, join_only=True)
+    ctrl = controller(args.ray_name)
+    while True:
+        try:
+            data = status(ctrl)
+        except ray.exceptions.RayActorError:
+            print(f"splitserve: the deployment {args.ray_name!r} has stopped", file=sys.stderr)
+            return 1
+        if args.watch is None:
+            print(json.dumps(data, indent=2) if args.json else status_table(data), file=out)
+            out.flush()
+            return 0
+        if args.json:
+            print(json.dumps(data), file=out)
+        else:
+            print(f"{time.strftime('%H:%M:%S')}\n{status_table(data)}\n", file=out)
+        out.flush()
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0
+
+
+def _stdout_for_answers_only():
+    """A stream to this process's standard output; everything else printed from here on,
+    Ray's threads and native code included, goes to standard error."""
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
 
 
 def cmd_cluster_scale(args: argparse.Namespace) -> int:

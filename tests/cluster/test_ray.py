@@ -42,6 +42,10 @@ class Deployment:
     ):
         self.cluster, self.launcher, self.routers, self.name = cluster, launcher, routers, name
         self.verify = verify  # with --tls: the deployment's CA
+        self._watch: subprocess.Popen | None = None  # `cluster status --json --watch`
+        self._watch_err = tempfile.TemporaryFile()
+        self._latest: dict | None = None
+        self._fresh = threading.Condition()
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         argv = [sys.executable, "-m", "splitserve.cli", "cluster", *args]
@@ -51,9 +55,40 @@ class Deployment:
         return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
     def status(self) -> dict:
-        out = self.cli("status", "--json")
-        assert out.returncode == 0, out.stderr
-        return json.JSONDecoder().raw_decode(out.stdout)[0]  # the answer comes first
+        """The first status read after this call, from one `cluster status --json --watch`
+        (a `cluster status` per poll costs a Python start and a Ray connection each)."""
+        asked = time.time()
+        if self._watch is None:
+            argv = [sys.executable, "-m", "splitserve.cli", "cluster", "status", "--json"]
+            argv += ["--watch", "1", "--ray", self.cluster.address, "--ray-name", self.name]
+            self._watch = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=self._watch_err, text=True,
+                start_new_session=True, preexec_fn=die_with_parent,
+            )  # fmt: skip
+            threading.Thread(target=self._read_watch, args=(self._watch,), daemon=True).start()
+        deadline = time.monotonic() + 120
+        with self._fresh:
+            while self._latest is None or self._latest["time"] < asked:
+                if self._watch.poll() is not None or time.monotonic() > deadline:
+                    self._watch_err.seek(0)
+                    raise AssertionError(f"no status: {self._watch_err.read().decode()}")
+                self._fresh.wait(1.0)
+            assert "not json" not in self._latest, self._latest
+            return json.loads(json.dumps(self._latest))  # the caller's own copy
+
+    def _read_watch(self, watch: subprocess.Popen) -> None:
+        for line in watch.stdout:
+            with self._fresh:
+                try:
+                    self._latest = json.loads(line)
+                except ValueError:  # status() fails on it
+                    self._latest = {"time": float("inf"), "not json": line}
+                self._fresh.notify_all()
+
+    def stop_watch(self) -> None:
+        if self._watch is not None:
+            stop_group(self._watch)
+            self._watch = None
 
     def procs(self, role: str | None = None) -> list[dict]:
         data = self.status()
@@ -106,6 +141,7 @@ def serve(cluster: RayCluster, args: list[str], routers: int = 1):
     )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in launcher.stdout], daemon=True).start()
+    deployment = None
     try:
         urls: list[str] = []
         verify: ssl.SSLContext | bool = True
@@ -119,11 +155,14 @@ def serve(cluster: RayCluster, args: list[str], routers: int = 1):
         deployment = Deployment(cluster, launcher, urls, name, verify)
         yield deployment
         pids = [p["pid"] for p in deployment.procs()]
+        deployment.stop_watch()
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=120) == 0
         gone, alive = psutil.wait_procs([_proc(p) for p in pids if _proc(p)], timeout=30)
         assert not alive, f"left behind: {alive}"
     finally:
+        if deployment is not None:
+            deployment.stop_watch()
         stop_group(launcher)
 
 
@@ -375,6 +414,11 @@ def test_cluster_commands_refuse_bad_input(deployment):
     assert out.returncode == 2 and "no splitserve deployment named 'nope'" in out.stderr
     text = deployment.cli("status")
     assert text.returncode == 0 and "decode-0" in text.stdout and "sessions" in text.stdout
+    once = deployment.cli("status", "--json")  # one document, as --watch prints each
+    data = json.loads(once.stdout)
+    assert once.returncode == 0 and {w["name"] for w in data["workers"]} == {
+        w["name"] for w in deployment.status()["workers"]
+    }
 
 
 def test_autoscale_moves_the_split_as_the_simulator_predicts_when_prompts_grow(cluster):
@@ -388,6 +432,7 @@ def test_autoscale_moves_the_split_as_the_simulator_predicts_when_prompts_grow(c
     args = ["--ray-name", "auto", "--prefill", "1", "--decode", "1", "--autoscale"]
     args += ["--policy", "kv-events"]  # a decode worker that joins is subscribed to as well
     args += ["--autoscale-interval", "10", "--autoscale-slo", slo, "--autoscale-host-cores", "2"]
+    args += ["--autoscale-patience", "1"]  # hysteresis: tests/cluster/test_autoscale.py
     planner = Planner(SLO.parse(slo), host_cores=2, remote_prefill_threshold=64)
     for d in serve(cluster, args):
         with Load(d.routers, clients=1, max_tokens=16, prompt="Say hi.") as load:

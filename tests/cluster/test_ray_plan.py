@@ -1,9 +1,13 @@
 """What a Ray deployment's processes are started with (``cluster.ray_plan``), without a
 cluster: TLS flags pointing into the directory each host writes, and under a keys file the
-key arrangement for vLLM workers (one key, the routers' alone)."""
+key arrangement for vLLM workers (one key, the routers' alone); flags refused before any
+cluster is reached."""
 
 from __future__ import annotations
 
+import pytest
+
+from splitserve.cli import main
 from splitserve.cluster.ray_plan import ROUTER, RayPlan, Slot, slot_command
 from splitserve.cluster.serve import Topology
 
@@ -46,3 +50,19 @@ def test_vllm_workers_get_the_routers_key_and_not_the_keys_file():
     # builtin workers read the keys file themselves
     _, builtin = slot_command(_plan("builtin"), Slot("decode-0", "decode"), {}, {})
     assert builtin["SPLITSERVE_API_KEYS"] == "/keys.json"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--autoscale", "--decode", "2", "--autoscale-patience", "0"],
+         "--autoscale-patience must be >= 1, got 0"),
+        (["serve", "--autoscale", "--decode", "2", "--autoscale-interval", "0"],
+         "--autoscale-interval must be > 0"),
+        (["serve", "--autoscale", "--decode", "1"], "--autoscale splits the workers"),
+        (["cluster", "status", "--watch", "0"], "--watch must be > 0 seconds, got 0.0"),
+    ],
+)  # fmt: skip
+def test_bad_autoscale_and_watch_flags_are_refused_before_joining(argv, message, capsys):
+    assert main([*argv, "--ray", "127.0.0.1:1"]) == 2  # no cluster there: never reached
+    assert message in capsys.readouterr().err

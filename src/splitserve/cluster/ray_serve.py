@@ -16,6 +16,7 @@ import signal
 import socket
 import ssl
 import sys
+import time
 from typing import Any
 
 import httpx
@@ -136,9 +137,12 @@ def _write_ca(pem: bytes | None) -> str | None:
 
 
 def status(ctrl) -> dict[str, list[dict[str, Any]]]:
-    """``{"nodes", "workers", "routers"}``: the cluster's nodes, and every process with its
-    node, url, role, pid and state; workers also with load, KV use and sessions."""
+    """``{"time", "nodes", "workers", "routers", "decisions"}``: when it was read (Unix
+    seconds), the cluster's nodes, and every process with its node, url, role, pid and state;
+    workers also with load, KV use and sessions; the autoscaler's decisions."""
     import ray
+
+    started = time.time()
 
     nodes = [
         {
@@ -175,7 +179,13 @@ def status(ctrl) -> dict[str, list[dict[str, Any]]]:
         if w["url"] in indexed:
             w["kv_blocks_indexed"] = indexed[w["url"]]
     decisions = ray.get(ctrl.decisions.remote(), timeout=30)
-    return {"nodes": nodes, "workers": workers, "routers": routers, "decisions": decisions}
+    return {
+        "time": started,
+        "nodes": nodes,
+        "workers": workers,
+        "routers": routers,
+        "decisions": decisions,
+    }
 
 
 def _get(
