@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from agent_schemas import SCHEMAS  # noqa: E402
+from transformers.tokenization_utils_tokenizers import TokenizersBackend  # noqa: E402
 
 from splitserve.models.loader import default_model_path  # noqa: E402
-from splitserve.models.tokenizer import Tokenizer  # noqa: E402
 
 
 def allowed_ids(bitmask: torch.Tensor, vocab: int) -> list[int]:
@@ -118,15 +118,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    tok = Tokenizer.from_gguf(default_model_path())
+    path, name = os.path.split(default_model_path())
+    hf = TokenizersBackend.from_pretrained(path, gguf_file=name, local_files_only=True)
     vocab = 49152  # the model's logit width (SmolLM2-135M)
-    eos = tok.eos_token_ids[0]
+    eos = hf.eos_token_id
     print(f"cpu: {cpu_model()}, torch threads 1, vocab {vocab}")
     print(f"schemas: {len(SCHEMAS)}, steps <= {args.steps} each, seed {args.seed}\n")
     results = {}
     for cls in (LLG, XGR):
         t0 = time.perf_counter()
-        lib = cls(tok.hf, vocab)
+        lib = cls(hf, vocab)
         setup = time.perf_counter() - t0
         rng = random.Random(args.seed)
         walk(lib, SCHEMAS["weather_args"], 10, rng, eos)  # warm-up

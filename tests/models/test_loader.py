@@ -182,9 +182,9 @@ def test_dtype_names():
 
 
 def test_hf_directory_tokenizer(tmp_path, default_model):
-    from splitserve.models.tokenizer import Tokenizer
+    from splitserve.common.tokenizer import Tokenizer
 
-    default_model.tokenizer.hf.save_pretrained(tmp_path)
+    default_model.tokenizer.save(tmp_path)
     tok = Tokenizer.from_hf_dir(str(tmp_path))
     messages = [{"role": "user", "content": "Name a colour."}]
     assert tok.apply_chat_template(messages) == default_model.tokenizer.apply_chat_template(
@@ -194,7 +194,7 @@ def test_hf_directory_tokenizer(tmp_path, default_model):
 
 
 def test_hf_directory_without_tokenizer(tmp_path):
-    from splitserve.models.tokenizer import Tokenizer
+    from splitserve.common.tokenizer import Tokenizer
 
     with pytest.raises(ValueError, match="cannot load a tokenizer from"):
         Tokenizer.from_hf_dir(str(tmp_path))

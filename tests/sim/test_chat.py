@@ -61,8 +61,8 @@ def test_chat_prompts_carry_the_template_tokens_and_reuse_the_cache(chat_templat
 def test_chat_prompts_are_as_long_as_the_bundled_models_rendering():
     """Each turn of an agentic session, rendered by the bundled model's own chat template
     (as a real worker does with the messages bench sends), against the simulated prompt."""
+    from splitserve.common.tokenizer import Tokenizer
     from splitserve.models.loader import default_model_path
-    from splitserve.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(default_model_path())  # the bundled model is one GGUF file
     spec = next(iter(AgenticConfig(min_tool_calls=3, max_tool_calls=3).sessions(1.0)))

@@ -19,13 +19,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from copy import copy
 from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import llguidance.torch
 import torch
+
+from splitserve.common.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +96,14 @@ class PendingMasks:
 class GrammarMasks:
     """The constrained requests of one model runner, keyed by request id."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+        backend = copy(tokenizer.backend)  # as llguidance reads it: no padding or truncation
+        backend.no_padding()
+        backend.no_truncation()
+        self.tokenizer = llguidance.LLTokenizer(
+            backend.to_str(), n_vocab=vocab_size, eos_token=tokenizer.eos_token_id
+        )
         self._executor = llguidance.LLExecutor(num_threads=1)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self._constraints: dict[str, Constraint] = {}

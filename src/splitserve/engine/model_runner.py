@@ -151,7 +151,7 @@ class ModelRunner:
 
             if self.tokenizer is None:
                 raise ValueError("constrained decoding needs the model's tokenizer")
-            self._grammar = GrammarMasks(self.tokenizer.hf, self.config.vocab_size)
+            self._grammar = GrammarMasks(self.tokenizer, self.config.vocab_size)
         return self._grammar
 
     def _paged_decode_available(self) -> bool:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from splitserve.common.tokenizer import Tokenizer
 from splitserve.models.config import ModelConfig
 from splitserve.models.loader import LoadedModel, default_model_path, load_model, resolve_dtype
-from splitserve.models.tokenizer import Tokenizer
 
 __all__ = [
     "LoadedModel",

@@ -104,7 +104,7 @@ class Entry:
             (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
             save_file({n: t.contiguous() for n, t in weights.items()}, tmp / "model.safetensors")
             if tokenizer is not None:
-                tokenizer.hf.save_pretrained(tmp / "tokenizer")
+                tokenizer.save(tmp / "tokenizer")
             for made in tmp.rglob("*"):  # mkdtemp's 0700 would hide the entry from others
                 made.chmod(0o755 if made.is_dir() else 0o644)
             tmp.chmod(0o755)

