@@ -128,15 +128,17 @@ def test_load_reports_running_requests_and_blocks():
         assert r.json() == {
             "running": 0,
             "waiting": 0,
+            "requests": 0,
             "kv_blocks_used": 0,
             "kv_blocks_total": 100,
             "kv_usage": 0.0,
             "kv_blocks_leased": 0,
         }
         task = asyncio.create_task(client.post("/v1/completions", json=completion(200)))
-        await _until_async(client, lambda load: load["running"] == 1)
+        await _until_async(client, lambda load: load["running"] == 1 and load["requests"] == 1)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        await _until_async(client, lambda load: load["requests"] == 0)
 
     run_app(engine, test)
 

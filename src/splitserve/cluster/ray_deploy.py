@@ -343,8 +343,10 @@ class Controller:
         if slot.url is None or time.monotonic() - slot.since > self.plan.drain_timeout:
             return True
         load = worker_load(slot.url, self.plan.env.get("SPLITSERVE_API_KEY"), self._verify)
-        # None: gone, nothing left to drain
-        busy = load is not None and (load.get("running") or 0) + (load.get("waiting") or 0) > 0
+        # None: gone, nothing left to drain. Busy: requests in the engine or still being
+        # answered, or blocks leased to decode workers that have not pulled them yet.
+        keys = ("running", "waiting", "requests", "kv_blocks_leased")
+        busy = load is not None and sum(load.get(k) or 0 for k in keys) > 0
         slot.idle_checks = 0 if busy else slot.idle_checks + 1
         return slot.idle_checks >= 2
 

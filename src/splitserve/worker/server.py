@@ -133,6 +133,8 @@ def create_app(
     app.state.quotas = Quotas()
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.state.in_flight = InFlight()
+    app.add_middleware(CountPosts, in_flight=app.state.in_flight)
     if access_log is not None:  # outside the body limit: a 413 is logged too
         app.add_middleware(AccessLogMiddleware, log=access_log, server="worker")
     app.include_router(_open_routes(async_engine, metrics))
@@ -161,6 +163,28 @@ def _response_store(engine: EngineLike) -> ResponseStore:
     return ResponseStore(DEFAULT_MAX_PER_TENANT, saved)
 
 
+class InFlight:
+    count = 0
+
+
+class CountPosts:
+    """ASGI middleware: how many POST requests the worker is answering (a stream until its
+    last byte), for ``/load``. A request still being parsed, or already out of the engine but
+    not yet answered, counts too: a worker being drained is idle only once this is 0."""
+
+    def __init__(self, app: Any, in_flight: InFlight) -> None:
+        self.app, self.in_flight = app, in_flight
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        self.in_flight.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight.count -= 1
+
+
 def _open_routes(async_engine: AsyncEngine, metrics: WorkerMetrics) -> APIRouter:
     router = APIRouter()
 
@@ -187,12 +211,13 @@ def _api_routes(
     router = APIRouter()
 
     @router.get("/load")
-    async def load() -> dict[str, Any]:
+    async def load(request: Request) -> dict[str, Any]:
         s = async_engine.load
         usage = s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0
         return {
             "running": s.running,
             "waiting": s.waiting,
+            "requests": request.app.state.in_flight.count,
             "kv_blocks_used": s.kv_blocks_used,
             "kv_blocks_total": s.kv_blocks_total,
             "kv_usage": usage,
