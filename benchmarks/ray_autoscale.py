@@ -91,6 +91,7 @@ def main() -> int:
     p.add_argument("--long-tokens", type=int, default=512)
     p.add_argument("--slo", default="ttft:3000,tpot:250")
     p.add_argument("--interval", type=float, default=20.0, help="--autoscale-interval")
+    p.add_argument("--patience", type=int, default=2, help="--autoscale-patience")
     p.add_argument("--calibration", default=None, help="a `sim calibrate` file for the planner")
     p.add_argument(
         "--dtype",
@@ -115,7 +116,8 @@ def main() -> int:
         runs = [(name, split, ["--dtype", args.dtype, *extra]) for name, split, extra in runs]
     first = tuple(int(x) for x in args.start.split(":"))
     scale = ["--autoscale", "--autoscale-slo", args.slo, "--autoscale-interval", str(args.interval)]
-    scale += ["--autoscale-host-cores", str(os.cpu_count())]
+    scale += ["--autoscale-host-cores", str(os.cpu_count()), "--autoscale-patience"]
+    scale += [str(args.patience)]
     if args.calibration is not None:
         scale += ["--autoscale-calibration", args.calibration]
     dtype = [] if args.dtype is None else ["--dtype", args.dtype]

@@ -424,7 +424,8 @@ def test_cluster_commands_refuse_bad_input(deployment):
 def test_autoscale_moves_the_split_as_the_simulator_predicts_when_prompts_grow(cluster):
     """Short prompts, then long ones, under load: each decision is the simulator's best split
     for the mix the workers served (recomputed here), and the deployment ends on the best
-    split for the long prompts, with no failed request."""
+    split for the long prompts, removing a worker only once its replacement serves, with no
+    failed request."""
     from splitserve.cluster.autoscale import Mix, Planner
     from splitserve.workload.metrics import SLO
 
@@ -460,6 +461,14 @@ def test_autoscale_moves_the_split_as_the_simulator_predicts_when_prompts_grow(c
             sum(p["role"] == "decode" for p in procs),
         )
         assert split == tuple(scaled[-1]["best"])
+        # Make before break: the removed worker served until the added one was ready.
+        events = d.status()["events"]
+        added = [e.split("adding ")[1].split(":")[0] for e in events if " adding " in e]
+        retired = [i for i, e in enumerate(events) if " retiring " in e]
+        assert added and retired, events
+        ready = max(next(i for i, e in enumerate(events) if f" {n} ready" in e) for n in added)
+        drained = min(i for i, e in enumerate(events) if " draining " in e)
+        assert retired[0] < ready < drained, events
         with Load(d.routers, clients=1, max_tokens=4, prompt="Say hi.") as load:
             load.wait_done(4)
         served = [w for w in d.status()["workers"] if w["role"] == "decode" and w["sessions"]]

@@ -42,6 +42,8 @@ from splitserve.cluster.ray_plan import (
 )
 
 LOOP_S = 1.0
+_STAYING = ("starting", "ready")  # the states of a worker that is not leaving
+PLACE_WAIT_S = 10.0  # a launch unplaced this long lets the retiring go (see _start_drains)
 
 
 class Controller:
@@ -173,12 +175,13 @@ class Controller:
             return {r: sum(s.role == r for s in live) for r in ("prefill", "decode")}
 
     def _resize(self, role: str, want: int) -> None:
-        live = [s for s in self._slots.values() if s.role == role and s.state != "draining"]
-        live = [s for s in live if s.state != "stopped"]
+        """Launch or remove ``role`` workers. Removed ones keep serving ("retiring") while
+        any worker starts, so that a change of split never leaves the routers short."""
+        live = [s for s in self._slots.values() if s.role == role and s.state in _STAYING]
         live.sort(key=lambda s: int(s.name.rsplit("-", 1)[1]))
         for slot in live[want:]:  # the newest go first
-            slot.state, slot.idle_checks, slot.since = "draining", 0, time.monotonic()
-            self._note(f"draining {slot.name} ({slot.url}): scaling {role} to {want}")
+            slot.state = "retiring"
+            self._note(f"retiring {slot.name} ({slot.url}): scaling {role} to {want}")
         taken = {int(s.name.rsplit("-", 1)[1]) for s in self._slots.values() if s.role == role}
         index = 0
         for _ in range(want - len(live)):
@@ -231,6 +234,7 @@ class Controller:
                         continue
                     slot.state = "ready"
                 self._note(f"{slot.name} ready at {slot.url} on node {slot.info['ip']}")
+        self._start_drains()
         self._sync_routers()
         for slot in slots:
             if slot.state == "draining" and self._drained(slot):
@@ -238,6 +242,22 @@ class Controller:
                 with self._lock:
                     self._slots.pop(slot.name, None)
                 self._note(f"{slot.name} drained and stopped")
+
+    def _start_drains(self) -> None:
+        """Retiring workers start to drain once no worker is starting (their replacements,
+        if the resize launched any, are serving), or once a starting one has waited
+        ``PLACE_WAIT_S`` for a node with room (the retiring may hold that room)."""
+        now = time.monotonic()
+        with self._lock:
+            starting = [s for s in self._slots.values() if s.role != ROUTER]
+            starting = [s for s in starting if s.state == "starting"]
+            if any(s.placing is None or now - s.since < PLACE_WAIT_S for s in starting):
+                return
+            retiring = [s for s in self._slots.values() if s.state == "retiring"]
+            for slot in retiring:
+                slot.state, slot.idle_checks, slot.since = "draining", 0, time.monotonic()
+        for slot in retiring:
+            self._note(f"draining {slot.name} ({slot.url})")
 
     def _dead(self, slot: Slot) -> bool:
         import ray
@@ -264,16 +284,17 @@ class Controller:
         except Exception:
             pass
         slot.restarts += 1
-        draining = slot.state == "draining"
+        leaving = slot.state if slot.state in ("retiring", "draining") else None
         self._launch(slot, prefer=slot.info)
-        if draining:  # it was leaving anyway
-            slot.state = "draining"
+        if leaving:  # it was leaving anyway
+            slot.state = leaving
 
     def _launch(self, slot: Slot, prefer: dict[str, Any] | None = None) -> None:
         """Ask Ray for ``slot``'s actor; ``prefer``: the node (and ports) it had. The process
         starts once the actor is placed (``_place``): a pool waiting for resources holds up
         no other slot."""
         slot.state, slot.prefer, slot.info = "starting", prefer, {}
+        slot.since = time.monotonic()
         slot.actor = (
             _actor_class().options(**actor_options(self.plan, slot.role, prefer)).remote(slot.name)
         )
@@ -309,11 +330,12 @@ class Controller:
         return True
 
     def _member_urls(self) -> dict[str, str]:
-        """URL -> role of the workers every router should have: the healthy ones."""
+        """URL -> role of the workers every router should have: the healthy ones, and those
+        that keep serving until their replacements are up."""
         return {
             s.url: s.role
             for s in self._slots.values()
-            if s.role != ROUTER and s.state == "ready" and s.url
+            if s.role != ROUTER and s.state in ("ready", "retiring") and s.url
         }
 
     def _sync_routers(self) -> None:

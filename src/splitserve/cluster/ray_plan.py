@@ -43,7 +43,8 @@ class RayPlan:
 
 @dataclass(slots=True)
 class Slot:
-    """One process of the deployment. ``state``: starting, ready, draining or stopped."""
+    """One process of the deployment. ``state``: starting, ready, retiring (removed, still
+    serving until no worker starts), draining or stopped."""
 
     name: str
     role: str
@@ -52,7 +53,7 @@ class Slot:
     state: str = "starting"
     restarts: int = 0
     idle_checks: int = 0
-    since: float = 0.0  # when its drain began
+    since: float = 0.0  # when it was launched, then when its drain began
     placing: Any = None  # the actor's node() call while Ray places it
     prefer: dict[str, Any] | None = None  # where it ran before, for its replacement
 

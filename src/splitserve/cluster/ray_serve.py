@@ -137,9 +137,10 @@ def _write_ca(pem: bytes | None) -> str | None:
 
 
 def status(ctrl) -> dict[str, list[dict[str, Any]]]:
-    """``{"time", "nodes", "workers", "routers", "decisions"}``: when it was read (Unix
+    """``{"time", "nodes", "workers", "routers", "decisions", "events"}``: when it was read (Unix
     seconds), the cluster's nodes, and every process with its node, url, role, pid and state;
-    workers also with load, KV use and sessions; the autoscaler's decisions."""
+    workers also with load, KV use and sessions; the autoscaler's decisions; the controller's
+    last 100 events (replacements, resizes, drains, decisions)."""
     import ray
 
     started = time.time()
@@ -179,12 +180,14 @@ def status(ctrl) -> dict[str, list[dict[str, Any]]]:
         if w["url"] in indexed:
             w["kv_blocks_indexed"] = indexed[w["url"]]
     decisions = ray.get(ctrl.decisions.remote(), timeout=30)
+    events = ray.get(ctrl.events.remote(), timeout=30)[-100:]
     return {
         "time": started,
         "nodes": nodes,
         "workers": workers,
         "routers": routers,
         "decisions": decisions,
+        "events": events,
     }
 
 
