@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from tool_chat import WEATHER_TOOL
 
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.models.loader import default_model_path
@@ -19,14 +20,6 @@ TEXTS = [
     "<|im_start|>user\nspecial tokens in text<|im_end|>",
     "def f(x):\n    return {'a': [1, 2.5e-3]}  # code",
 ]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
 CHATS = [
     [{"role": "user", "content": "hello"}],
     [
@@ -97,7 +90,7 @@ def test_text_is_transformers(ours, reference, skip):
 
 
 @pytest.mark.parametrize("messages", CHATS)
-@pytest.mark.parametrize("tools", [None, [WEATHER]])
+@pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]])
 def test_chat_prompts_are_transformers(ours, reference, messages, tools):
     expected = reference.apply_chat_template(
         messages, tools=tools, tokenize=False, add_generation_prompt=True

@@ -6,19 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from tool_chat import WEATHER_TOOL
 
 from splitserve.common.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.router.prompt_tokens import ChatTokenizer
 from splitserve.worker.prepare import ModelInfo, chat_input, completion_input
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
 CALL = {
     "id": "call_1",
     "type": "function",
@@ -62,7 +55,7 @@ def tokenizers(tmp_path_factory):
 
 
 @pytest.mark.parametrize("messages", CHATS)
-@pytest.mark.parametrize("tools", [None, [WEATHER]])
+@pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]])
 def test_chat_ids_are_the_workers(tokenizers, messages, tools):
     router, model = tokenizers
     body = {"messages": messages, **({"tools": tools} if tools else {})}
