@@ -164,6 +164,9 @@ class EventRelay:
     def end(self) -> None:
         raise NotImplementedError
 
+    def resumed_on(self, url: str) -> None:  # noqa: B027 (most relays need not know)
+        """A resumed leg on the worker at ``url`` ended the stream."""
+
     async def relay(self, raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """The client's bytes for one leg's raw upstream bytes; raises ``IncompleteStream``."""
         self._partial = b""

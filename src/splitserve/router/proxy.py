@@ -56,6 +56,7 @@ from splitserve.router.prefetch import PrefetchHints
 from splitserve.router.prefill_leg import PrefillLeg
 from splitserve.router.replies import Buffered, Reply, Streamed
 from splitserve.router.response import Response, UpstreamError, dropped
+from splitserve.router.response_homes import ChainHomes, previous_not_found, search
 from splitserve.router.responses_relay import ResponsesLog, ResponsesRelay, unresumable_reason
 from splitserve.router.resume import Resumer
 from splitserve.router.salts import request_salt, salt_for_vllm
@@ -111,6 +112,7 @@ class Proxy:
             config.disaggregate, config.remote_prefill_threshold, config.kv_peer_fetch
         )
         self.hints = PrefetchHints(client, self.vouch)
+        self.homes = ChainHomes()  # where moved response chains now live (a hint)
         self.prefill_leg = PrefillLeg(client, self.vouch, metrics, self._failed)
         self.resumer = Resumer(
             config.max_retries,
@@ -152,13 +154,14 @@ class Proxy:
         forwarding = self._place(client_headers, body, timeline, principal)
         forwarding.tenant = principal
         added: dict[str, Any] = {}  # the router's fields in the forwarded body
+        chain = None
         if responses:  # keyed by its response chain instead (``session.chain_key``)
             chain = self._place_chain(forwarding, body, headers)
             if vllm and chain is not None:  # vLLM's own field, which becomes the response id
                 added["request_id"] = response_id(chain)
         if admission is not None:
             admission.admit(forwarding.info.session_key)
-        decision = self._decide(forwarding)
+        decision = self._moved_home(chain) or self._decide(forwarding)
         if decision is None:
             raise no_worker("decode")
         decode = decision.decode
@@ -179,7 +182,8 @@ class Proxy:
         stream = body.get("stream") is True
         if stream and responses:  # relayed for its error event even where not resumable
             refusal = unresumable_reason(body, self.config.worker_engine)
-            forwarding.relay = ResponsesRelay(ResponsesLog.of(body, refusal), body)
+            moved = lambda url: self.homes.moved(chain, url)  # noqa: E731
+            forwarding.relay = ResponsesRelay(ResponsesLog.of(body, refusal), body, moved)
             forwarding.headers, forwarding.excluded = headers, excluded
             if refusal is None:
                 added.update(TOKEN_IDS_FIELD)
@@ -189,13 +193,17 @@ class Proxy:
             forwarding.headers, forwarding.excluded = headers, excluded
             added.update(TOKEN_IDS_FIELD)
         payload = forwarded(raw, body, added, rewrite)
-        return await self._with_retries(
-            "decode",
-            forwarding,
-            excluded,
-            decode,
-            lambda w: self._send(w, "POST", path, payload, headers, stream, forwarding),
-        )
+
+        def send(worker: Worker) -> Awaitable[Reply]:
+            return self._send(worker, "POST", path, payload, headers, stream, forwarding)
+
+        def attempt(worker: Worker) -> Awaitable[Reply]:
+            return self._with_retries("decode", forwarding, excluded, worker, send)
+
+        reply = await attempt(decode)
+        if responses and previous_not_found(reply):  # the chain moved: ask the others
+            reply = await self._search(reply, chain, forwarding, excluded, attempt)
+        return reply
 
     async def models(
         self, client_headers: Mapping[str, str], tenant: str, timeline: Timeline
@@ -278,6 +286,38 @@ class Proxy:
         ring = self._home_ring.sync([w for w in self.membership.all() if w.serves("decode")])
         forwarding.home = ring.owner(key.key)
         return named.get(CHAIN_HEADER) or chain_of(str(body.get("previous_response_id") or ""))
+
+    async def _search(
+        self,
+        reply: Reply,
+        chain: str | None,
+        forwarding: Forwarding,
+        excluded: list[str],
+        attempt: Callable[[Worker], Awaitable[Reply]],
+    ) -> Reply:
+        """The answer of the decode workers not asked yet to a turn whose previous response
+        its worker lacks (``response_homes.search``); the chain's next turns go first to the
+        worker found holding it."""
+
+        def next_worker() -> Worker | None:
+            worker = self._pick("decode", forwarding.info, excluded)
+            if worker is not None:
+                self.metrics.response_searches.inc()
+            return worker
+
+        reply = await search(reply, next_worker, attempt)
+        if reply.status < 400:
+            self.homes.moved(chain, reply.headers[DECODE_HEADER])
+        return reply
+
+    def _moved_home(self, chain: str | None) -> Decision | None:
+        """The healthy worker a moved chain's latest response is known to be on, if any
+        (``response_homes``): its turns stay local there, as they would at home."""
+        url = self.homes.get(chain)
+        if url is None:
+            return None
+        worker = next((w for w in self.membership.candidates("decode") if w.url == url), None)
+        return None if worker is None else Decision(worker, False, None, None)
 
     def _predicted(self, worker: Worker, info: RequestInfo) -> tuple[str, int] | None:
         index = getattr(self.policies["decode"], "index", None)  # the kv-events policy's

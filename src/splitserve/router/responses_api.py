@@ -12,10 +12,10 @@ mid-stream: ``responses_relay``) but without a remote prefill leg, which speaks 
 completions shapes. ``GET`` and ``DELETE`` ``/v1/responses/{id}`` ask every worker: one
 holds the response; ``DELETE`` also erases the chain's KV wherever a worker has some.
 
-A migrated response is stored by the worker that finished it. The chain's later turns are
-keyed by the chain as before: while its first worker is down, the session policy sends them
-where it sent the migrated leg (the same choice over the same healthy workers), which holds
-the response; once that worker is back, they go to it again, which does not.
+A migrated response is stored by the worker that finished it. A later turn that lands on a
+worker without it (its first worker is back) is answered 400 ``previous_response_not_found``
+there; the proxy then asks the other workers and remembers where the chain went
+(``response_homes``).
 """
 
 from __future__ import annotations
