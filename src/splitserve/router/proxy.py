@@ -168,10 +168,14 @@ class Proxy:
         excluded = [decode.url]
         forwarding.predicted = self._predicted(decode, forwarding.info)
         timeline.routed = now()
-        # The prefill leg, prefetch and peer hints speak chat and completions only.
+        # Prefetch and peer hints speak chat and completions only.
         if self.config.prefetch_hints and forwarding.info.session_key is not None and not responses:
             self.hints.send(decode, body, headers, principal)
-        if self.rules.disaggregate and not responses:
+        if responses and (vllm or body.get("previous_response_id") is not None):
+            # A chained turn's conversation is stored on its decode worker alone (and mostly
+            # cached there); vLLM's /v1/responses takes no kv_transfer_params.
+            decision = decision._replace(remote_prefill=False, prefill=None)
+        if self.rules.disaggregate:
             await self.prefill_leg.run(path, body, headers, forwarding, decision)
         if forwarding.kv_params is not None:
             added.update(disagg.decode_fields(forwarding.kv_params))
