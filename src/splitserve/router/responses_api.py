@@ -11,8 +11,10 @@ first byte, the stream relayed as it comes, resumed on another worker when its w
 mid-stream: ``responses_relay``). A first turn on builtin workers may take the remote
 prefill leg as chat does (the prefill worker runs the same request, one token, not stored:
 ``disagg.responses_prefill_body``); a turn that continues a chain never does, since its
-stored conversation is on its decode worker alone, which holds its KV too. ``GET`` and ``DELETE`` ``/v1/responses/{id}`` ask every worker: one
-holds the response; ``DELETE`` also erases the chain's KV wherever a worker has some.
+stored conversation is on its decode worker alone, which holds its KV too.
+
+``GET`` and ``DELETE`` ``/v1/responses/{id}`` ask every worker: one holds the response;
+``DELETE`` also erases the chain's KV wherever a worker has some.
 
 A migrated response is stored by the worker that finished it. A later turn that lands on a
 worker without it (its first worker is back) is answered 400 ``previous_response_not_found``
