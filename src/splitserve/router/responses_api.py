@@ -14,7 +14,9 @@ prefill leg as chat does (the prefill worker runs the same request, one token, n
 stored conversation is on its decode worker alone, which holds its KV too.
 
 ``GET`` and ``DELETE`` ``/v1/responses/{id}`` ask every worker: one holds the response;
-``DELETE`` also erases the chain's KV wherever a worker has some.
+``DELETE`` also erases the chain's KV wherever a worker has some. Over vLLM workers ``DELETE``
+is a 400 that says why (``VLLM_CANNOT_DELETE``): vLLM can neither delete a stored response nor
+erase one chain's KV from its prefix cache, and the router will not claim it did.
 
 A migrated response is stored by the worker that finished it. A later turn that lands on a
 worker without it (its first worker is back) is answered 400 ``previous_response_not_found``
@@ -42,6 +44,12 @@ from splitserve.router.proxy import Proxy
 from splitserve.router.upstream import UpstreamError
 
 FAN_OUT_TIMEOUT_S = 60.0
+VLLM_CANNOT_DELETE = (
+    "DELETE /v1/responses/{id} is not supported with vLLM workers: vLLM has no way to delete a "
+    "stored response, and its prefix cache cannot erase one chain's KV (blocks leave it only by "
+    "eviction). A stored response stays on its worker until that worker restarts; send "
+    "store: false to keep none."
+)
 
 
 def responses_routes(
@@ -59,7 +67,10 @@ def responses_routes(
 
     @router.delete(RESPONSES_PATH + "/{rid}")
     async def delete(rid: str, request: Request) -> JSONResponse:
-        return await _ask_all(proxy(), membership, "DELETE", rid, request, tenant_of(request))
+        tenant = tenant_of(request)
+        if proxy().config.worker_engine == "vllm":
+            raise RouterError(400, VLLM_CANNOT_DELETE, "unsupported_on_vllm", "response_id")
+        return await _ask_all(proxy(), membership, "DELETE", rid, request, tenant)
 
     return router
 
