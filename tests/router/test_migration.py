@@ -350,6 +350,15 @@ def text_lp_chunk(text: str, ids: list[int], offset: int, **extra) -> dict:
     }
 
 
+def test_regression_a_vllm_text_completion_names_its_prompt_ids_in_the_choice():
+    # vLLM puts a streamed text completion's prompt ids in its first choice, not beside the
+    # choices as in chat: read there, they make the stream resumable.
+    original = {"prompt": "p", "max_tokens": 4, "stream": True}
+    relay = StreamRelay(StreamLog.of(original, chat=False), original, continued=False)
+    run(relay, [sse(text_lp_chunk("t50", [50], 0, prompt_token_ids=[1, 2]))])
+    assert relay.log.resumable and relay.resume_body(3)["prompt"] == [1, 2, 50]
+
+
 def test_a_resumed_text_completion_carries_logprobs_at_the_whole_outputs_offsets():
     original = {"prompt": "p", "logprobs": 1, "max_tokens": 6, "stream": True}
     relay = StreamRelay(StreamLog.of(original, chat=False), original, continued=False)
