@@ -348,7 +348,7 @@ class StreamRelay(EventRelay):
         self._record(c, text or "", choice)
         c.calls_sent = c.calls_sent or "tool_calls" in delta
         if choice.get("logprobs") is not None:
-            if not log.chat:
+            if not (log.chat or self.continued):  # a vLLM text completion's
                 self._note_offsets(c, choice["logprobs"])
             self._unsent_logprobs(c, choice)
         if log.client_wants_ids:
