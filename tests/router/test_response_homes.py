@@ -10,6 +10,7 @@ import pytest
 
 from splitserve.router.replies import Buffered
 from splitserve.router.response_homes import ChainHomes, previous_not_found, search
+from splitserve.router.worker import Worker
 
 
 def error(status: int, code: str) -> Buffered:
@@ -63,3 +64,14 @@ def test_the_search_asks_each_worker_once_and_stops_at_the_first_other_answer():
     assert answer is NOT_FOUND and asked == ["w2", "w3"]
     answer, asked = run_search([], None)  # no other worker: the 400 stands
     assert answer is NOT_FOUND and asked == []
+
+
+def test_a_remembered_chain_is_placed_on_its_worker_only_while_it_is_a_candidate():
+    homes = ChainHomes()
+    w1, w2 = Worker("http://127.0.0.1:9001"), Worker("http://127.0.0.1:9002")
+    assert homes.placed("c", [w1, w2]) is None  # not remembered: the policy places it
+    homes.moved("c", w2.url)
+    decision = homes.placed("c", [w1, w2])
+    assert decision is not None and decision.decode is w2
+    assert not decision.remote_prefill and decision.prefill is None and decision.peer is None
+    assert homes.placed("c", [w1]) is None  # down or excluded: the policy places it

@@ -56,7 +56,7 @@ from splitserve.router.prefetch import PrefetchHints
 from splitserve.router.prefill_leg import PrefillLeg
 from splitserve.router.replies import Buffered, Reply, Streamed
 from splitserve.router.response import Response, UpstreamError, dropped
-from splitserve.router.response_homes import ChainHomes, previous_not_found, search
+from splitserve.router.response_homes import ChainHomes, previous_not_found
 from splitserve.router.responses_relay import ResponsesLog, ResponsesRelay, unresumable_reason
 from splitserve.router.resume import Resumer
 from splitserve.router.salts import request_salt, salt_for_vllm
@@ -161,7 +161,8 @@ class Proxy:
                 added["request_id"] = response_id(chain)
         if admission is not None:
             admission.admit(forwarding.info.session_key)
-        decision = self._moved_home(chain) or self._decide(forwarding)
+        moved_home = self.homes.placed(chain, self.membership.candidates("decode"))
+        decision = moved_home or self._decide(forwarding)
         if decision is None:
             raise no_worker("decode")
         decode = decision.decode
@@ -206,7 +207,8 @@ class Proxy:
 
         reply = await attempt(decode)
         if responses and previous_not_found(reply):  # the chain moved: ask the others
-            reply = await self._search(reply, chain, forwarding, excluded, attempt)
+            holder = lambda: self._next_holder(forwarding, excluded)  # noqa: E731
+            reply = await self.homes.find(reply, chain, holder, attempt)
         return reply
 
     async def models(
@@ -291,37 +293,12 @@ class Proxy:
         forwarding.home = ring.owner(key.key)
         return named.get(CHAIN_HEADER) or chain_of(str(body.get("previous_response_id") or ""))
 
-    async def _search(
-        self,
-        reply: Reply,
-        chain: str | None,
-        forwarding: Forwarding,
-        excluded: list[str],
-        attempt: Callable[[Worker], Awaitable[Reply]],
-    ) -> Reply:
-        """The answer of the decode workers not asked yet to a turn whose previous response
-        its worker lacks (``response_homes.search``); the chain's next turns go first to the
-        worker found holding it."""
-
-        def next_worker() -> Worker | None:
-            worker = self._pick("decode", forwarding.info, excluded)
-            if worker is not None:
-                self.metrics.response_searches.inc()
-            return worker
-
-        reply = await search(reply, next_worker, attempt)
-        if reply.status < 400:
-            self.homes.moved(chain, reply.headers[DECODE_HEADER])
-        return reply
-
-    def _moved_home(self, chain: str | None) -> Decision | None:
-        """The healthy worker a moved chain's latest response is known to be on, if any
-        (``response_homes``): its turns stay local there, as they would at home."""
-        url = self.homes.get(chain)
-        if url is None:
-            return None
-        worker = next((w for w in self.membership.candidates("decode") if w.url == url), None)
-        return None if worker is None else Decision(worker, False, None, None)
+    def _next_holder(self, forwarding: Forwarding, excluded: list[str]) -> Worker | None:
+        """The next decode worker to ask for a turn's previous response (counted)."""
+        worker = self._pick("decode", forwarding.info, excluded)
+        if worker is not None:
+            self.metrics.response_searches.inc()
+        return worker
 
     def _predicted(self, worker: Worker, info: RequestInfo) -> tuple[str, int] | None:
         index = getattr(self.policies["decode"], "index", None)  # the kv-events policy's

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
+from splitserve.router.headers import DECODE_HEADER
+from splitserve.router.placement import Decision
 from splitserve.router.replies import Buffered, Reply
 from splitserve.router.worker import Worker
 
@@ -57,6 +59,26 @@ class ChainHomes:
 
     def __len__(self) -> int:
         return len(self._homes)
+
+    def placed(self, chain: str | None, candidates: Sequence[Worker]) -> Decision | None:
+        """The turn's placement on the candidate its chain's latest response is known to be
+        on, if any: served whole there (no remote prefill), where its KV is."""
+        url = self.get(chain)
+        worker = next((w for w in candidates if w.url == url), None) if url else None
+        return None if worker is None else Decision(worker, False, None, None)
+
+    async def find(
+        self,
+        reply: Reply,
+        chain: str | None,
+        next_worker: Callable[[], Worker | None],
+        attempt: Callable[[Worker], Awaitable[Reply]],
+    ) -> Reply:
+        """``search``; the chain's next turns go first to the worker found holding it."""
+        reply = await search(reply, next_worker, attempt)
+        if reply.status < 400:
+            self.moved(chain, reply.headers[DECODE_HEADER])
+        return reply
 
 
 def previous_not_found(reply: Reply) -> bool:
