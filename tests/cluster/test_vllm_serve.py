@@ -311,17 +311,28 @@ def test_the_router_reads_vllm_load_from_its_metrics(deployment):
 
 
 def test_a_killed_vllm_worker_mid_stream_keeps_the_greedy_text(deployment):
+    """A chat stream and a text completion with log-probabilities on one worker (one
+    session), which is killed once both are mid-way: both finish on the other worker as
+    undisturbed runs did, the log-probabilities too (within float rounding: the resumed
+    leg computes its first token in a prefill)."""
     url, launcher = deployment
+    headers = {**AUTH, "X-Session-Id": "killed-mid-stream"}  # both streams on one worker
     body = {"model": MODEL, "messages": STORY, "max_tokens": 96, "temperature": 0}
-    expected = httpx.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=120).json()
+    expected = httpx.post(
+        f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120
+    ).json()
     expected_text = expected["choices"][0]["message"]["content"]
     assert expected["usage"]["completion_tokens"] > 40  # long enough to cut in the middle
+    expected_completion = _completion_stream(url, headers, [])
+    completion: list[dict] = []
+    reader = threading.Thread(target=_completion_stream, args=(url, headers, completion))
+    reader.start()
     text, killed = [], None
     with httpx.stream(
         "POST",
         f"{url}/v1/chat/completions",
         json={**body, "stream": True},
-        headers=AUTH,
+        headers=headers,
         timeout=120,
     ) as r:
         worker = r.headers["x-splitserve-decode-worker"]
@@ -330,14 +341,60 @@ def test_a_killed_vllm_worker_mid_stream_keeps_the_greedy_text(deployment):
                 continue
             chunk = httpx.Response(200, content=line[6:]).json()
             text += [c["delta"].get("content") or "" for c in chunk["choices"]]
-            if killed is None and len(text) >= 12:
-                killed = _kill_vllm_serving(worker)
-    assert killed is not None
+            if killed is None and len(text) >= 12 and len(completion) >= 12:
+                killed, cut = _kill_vllm_serving(worker), len(completion)
+    reader.join(timeout=120)
+    assert killed is not None and not reader.is_alive()
+    assert cut < COMPLETION["max_tokens"]  # the completion was cut mid-way too
     assert "".join(text) == expected_text
+    _check_same_logprobs(completion, expected_completion)
     assert launcher.poll() is None  # the deployment stays up on its other worker
     after = httpx.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
     assert after.status_code == 200
     assert after.json()["choices"][0]["message"]["content"] == expected_text
+
+
+COMPLETION = {
+    "model": MODEL,
+    "prompt": "The lighthouse keeper climbed the stairs and",
+    "max_tokens": 96,
+    "ignore_eos": True,
+    "temperature": 0,
+    "logprobs": 2,
+    "stream": True,
+}
+
+
+def _completion_stream(url: str, headers: dict, chunks: list[dict]) -> list[dict]:
+    """A streamed text completion with log-probabilities; its chunks' choices, appended to
+    ``chunks`` as they come."""
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=COMPLETION, headers=headers, timeout=120
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = httpx.Response(200, content=line[6:]).json()
+                chunks += chunk.get("choices", [chunk])  # an error: the check names it
+    return chunks
+
+
+def _check_same_logprobs(got: list[dict], want: list[dict]) -> None:
+    def joined(choices: list[dict]) -> dict[str, list]:
+        out: dict[str, list] = {"text": [c["text"] for c in choices]}
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            out[key] = [x for c in choices if c.get("logprobs") for x in c["logprobs"][key]]
+        return out
+
+    assert not [c for c in got if "error" in c], got[-1]
+    g, w = joined(got), joined(want)
+    assert "".join(g["text"]) == "".join(w["text"])
+    assert g["tokens"] == w["tokens"] and g["text_offset"] == w["text_offset"]
+    assert len(g["tokens"]) == COMPLETION["max_tokens"]  # each token's once
+    assert g["token_logprobs"] == pytest.approx(w["token_logprobs"], abs=1e-3)
+    for top_g, top_w in zip(g["top_logprobs"], w["top_logprobs"], strict=True):
+        assert top_g.keys() == top_w.keys()
+        assert list(top_g.values()) == pytest.approx(list(top_w.values()), abs=1e-3)
 
 
 def _kill_vllm_serving(worker_url: str) -> int:

@@ -184,8 +184,11 @@ def make_router() -> Iterator:
 
 
 class RealWorker:
-    def __init__(self) -> None:
-        self.port = free_port()
+    """A model worker process; ``port``: the one to serve on (a restart of a killed worker
+    keeps its URL), else a free one."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [
@@ -234,6 +237,15 @@ def real_workers() -> list[RealWorker]:
     for w in fresh:
         wait_until(w.ready, 300, "a model worker")
     return list(_REAL_POOL)
+
+
+def restart_real_worker(killed: RealWorker) -> RealWorker:
+    """A worker at ``killed``'s URL again, with nothing of its store or KV; stopped like the
+    pool's."""
+    worker = RealWorker(killed.port)
+    _REAL_POOL.append(worker)
+    wait_until(worker.ready, 300, "a restarted model worker")
+    return worker
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:

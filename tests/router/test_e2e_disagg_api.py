@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 from procs import metric, start_worker, stop_group, wait_healthy
+from tool_chat import forecast_tool
 
 from splitserve.router.config import RouterConfig
 
 from .conftest import HTTP, RouterServer
 from .test_e2e_agent_migration import FLAG, FORECAST_TOOL, STORY, chunks, comparable
+from .test_e2e_responses_migration import comparable as responses_comparable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -140,3 +142,71 @@ def test_two_legs_answer_as_collocated(deployments, case, stream):
         for reply in texts(got):  # what the masks are there for
             assert isinstance(json.loads(reply), dict), reply
     assert got == want
+
+
+# ---- /v1/responses: a first turn takes the remote prefill leg, a chained one stays local ----
+
+RESPONSES = "/v1/responses"
+RESPONSE_CASES: dict[str, dict[str, Any]] = {
+    "text": {
+        "instructions": "You are a storyteller. Write vivid prose.",
+        "input": [{"role": "user", "content": "Write a story about a lighthouse keeper."}],
+    },
+    "tool_named": {
+        "input": "What will the weather be in Lisbon?",
+        "tools": [forecast_tool(responses=True)],
+        "tool_choice": {"type": "function", "name": "get_forecast"},
+    },
+}
+REMOTE_OK = 'splitserve:router_remote_prefills_total{outcome="ok"}'
+SKIPPED = 'splitserve:router_remote_prefills_total{outcome="skipped"}'
+
+
+def respond(router: RouterServer, body: dict[str, Any], stream: bool) -> tuple[dict, list[str]]:
+    """The final response object and the answer's lines, with what differs between two runs
+    (ids, timestamps, cached tokens) blanked."""
+    body = {"temperature": 0, "max_output_tokens": 32, **body, "stream": stream}
+    if not stream:
+        r = HTTP.post(router.url + RESPONSES, json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json(), responses_comparable([json.dumps(r.json())])
+    with HTTP.stream("POST", router.url + RESPONSES, json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line]
+    return json.loads(lines[-1][6:])["response"], responses_comparable(lines)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("case", list(RESPONSE_CASES))
+def test_a_first_response_takes_the_remote_leg_and_answers_as_collocated(deployments, case, stream):
+    disagg, collocated = deployments
+    legs = metric(disagg.url, REMOTE_OK)
+    (got, got_lines), (want, want_lines) = (
+        respond(router, RESPONSE_CASES[case], stream) for router in (disagg, collocated)
+    )
+    assert metric(disagg.url, REMOTE_OK) == legs + 1
+    assert got_lines == want_lines
+    assert "kv_transfer_params" not in got and got["output"]
+    # The decode worker pulled the prompt's full blocks and computed only the rest.
+    assert got["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+
+def test_a_chained_response_stays_on_its_decode_worker(deployments):
+    disagg, collocated = deployments
+    answers = []
+    for router in (disagg, collocated):
+        first, _ = respond(router, RESPONSE_CASES["text"], False)
+        legs, skipped = metric(disagg.url, REMOTE_OK), metric(disagg.url, SKIPPED)
+        more = {
+            "instructions": RESPONSE_CASES["text"]["instructions"],  # not carried over
+            "input": "Now give it a title.",
+            "previous_response_id": first["id"],
+        }
+        answers.append(respond(router, more, True))
+        if router is disagg:  # its conversation is there, and mostly cached
+            assert metric(disagg.url, REMOTE_OK) == legs
+            assert metric(disagg.url, SKIPPED) == skipped + 1
+            previous = first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+            cached = answers[-1][0]["usage"]["input_tokens_details"]["cached_tokens"]
+            assert cached >= previous - 16  # all but the last partial block
+    assert answers[0][1] == answers[1][1]

@@ -316,6 +316,81 @@ def test_which_streams_are_resumed_elsewhere(extra, on_builtin, on_vllm):
     assert resumable_request(body, "vllm") is on_vllm
 
 
+@pytest.mark.parametrize(
+    ("extra", "on_vllm"),
+    [
+        ({}, True),
+        ({"logprobs": 2}, True),
+        ({"logprobs": 0}, True),
+        ({"logprobs": 2, "echo": True}, False),
+    ],
+)
+def test_a_text_completions_logprobs_resume_on_vllm_but_not_with_echo(extra, on_vllm):
+    body = {"prompt": "hi", "stream": True, **extra}
+    assert resumable_request(body) is True
+    assert resumable_request(body, "vllm") is on_vllm
+
+
+def text_lp_chunk(text: str, ids: list[int], offset: int, **extra) -> dict:
+    """A text completion chunk in vLLM's shape (the prompt's ids, if given, in the choice),
+    one log-probability per id, token ``i`` written ``t<i>``, offsets from ``offset``."""
+    tokens = [f"t{i}" for i in ids]
+    logprobs = {
+        "tokens": tokens,
+        "token_logprobs": [-0.5] * len(ids),
+        "top_logprobs": [{t: -0.5} for t in tokens],
+        "text_offset": [offset + 3 * k for k in range(len(ids))],
+    }
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "token_ids": ids}
+    choice["finish_reason"] = extra.pop("finish_reason", None)
+    choice["prompt_token_ids"] = extra.pop("prompt_token_ids", None)
+    return {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m"} | {
+        "choices": [choice],
+        **extra,
+    }
+
+
+def test_regression_a_vllm_text_completion_names_its_prompt_ids_in_the_choice():
+    # vLLM puts a streamed text completion's prompt ids in its first choice, not beside the
+    # choices as in chat: read there, they make the stream resumable.
+    original = {"prompt": "p", "max_tokens": 4, "stream": True}
+    relay = StreamRelay(StreamLog.of(original, chat=False), original, continued=False)
+    run(relay, [sse(text_lp_chunk("t50", [50], 0, prompt_token_ids=[1, 2]))])
+    assert relay.log.resumable and relay.resume_body(3)["prompt"] == [1, 2, 50]
+
+
+def test_a_resumed_text_completion_carries_logprobs_at_the_whole_outputs_offsets():
+    original = {"prompt": "p", "logprobs": 1, "max_tokens": 6, "stream": True}
+    relay = StreamRelay(StreamLog.of(original, chat=False), original, continued=False)
+    # Token 51's text is held back, but its chunk (with its log-probabilities) went out.
+    first = [text_lp_chunk("t50", [50], 0, prompt_token_ids=[1, 2]), text_lp_chunk("", [51], 3)]
+    chunks, _ = run(relay, [b"".join(sse(c) for c in first)])
+    assert "prompt_token_ids" not in chunks[0]["choices"][0]  # the client did not ask
+    body = relay.resume_body(relay.remaining())
+    assert body["prompt"] == [1, 2, 50] and body["logprobs"] == 1 and body["max_tokens"] == 5
+    # The resumed leg counts its offsets from its own start: the end of t50's text.
+    leg = [text_lp_chunk("", [51], 0, prompt_token_ids=[1, 2, 50])]
+    leg.append(text_lp_chunk("t51t52", [52], 3))
+    leg.append(text_lp_chunk("", [], 6, finish_reason="length"))
+    leg[-1]["choices"][0]["logprobs"] = None
+    chunks, error = run(relay, [b"".join(sse(c) for c in leg) + b"data: [DONE]\n\n"])
+    assert error is None and chunks[-1] == "DONE"
+    got = [(c["choices"][0]["text"], c["choices"][0]["logprobs"]) for c in chunks[:-1]]
+    assert got == [
+        (
+            "t51t52",
+            {
+                "tokens": ["t52"],  # t51's went out before the failure
+                "token_logprobs": [-0.5],
+                "top_logprobs": [{"t52": -0.5}],
+                "text_offset": [6],  # as in an undisturbed stream: after t50 and t51
+            },
+        ),
+        ("", None),
+    ]
+    assert chunks[0]["id"] == "cmpl-1"
+
+
 def lp_chunk(text: str, ids: list[int], index: int = 0, **extra) -> dict:
     """A chat chunk of choice ``index`` with one log-probability entry per id."""
     chunk = chat_chunk(text, ids, **extra)

@@ -3,6 +3,8 @@ the same decisions for the same workload."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from splitserve.router.config import RouterConfig
@@ -73,6 +75,23 @@ def test_uncached_part_on_home_is_what_follows_the_last_assistant_message():
     assert uncached_chars(body, on_home=False) == 1180
     assert uncached_chars({"prompt": "abc"}, on_home=True) == 3
     assert uncached_chars({"prompt": [[1, 2, 3]]}, on_home=True) == 12
+
+
+def test_a_responses_request_counts_its_instructions_tools_and_input():
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    body = {
+        "instructions": "i" * 40,
+        "tools": tools,
+        "input": [
+            {"role": "user", "content": "u" * 100},
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "a" * 20},
+            {"type": "function_call_output", "call_id": "c", "output": "o" * 30},
+            {"role": "user", "content": [{"type": "input_text", "text": "p" * 7}]},
+        ],
+    }
+    want = 40 + len(json.dumps(tools)) + 100 + 20 + 30 + 7
+    assert uncached_chars(body, on_home=True) == uncached_chars(body, on_home=False) == want
+    assert uncached_chars({"input": "abc"}, on_home=False) == 3
 
 
 # ---- one workload through the simulator and through the router -------------------------

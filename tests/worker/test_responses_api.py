@@ -229,6 +229,8 @@ def post(url: str, body: dict, headers: dict | None = None) -> httpx.Response:
         ({"input": []}, "input"),
         ({"input": "hi", "seed": 2**63}, "seed"),
         ({"input": "hi", "resume": {"prompt_token_ids": []}}, "resume.prompt_token_ids"),
+        # The router's remote prefill handshake: a client's own, unsigned, is refused.
+        ({"input": "hi", "kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
     ],
 )
 def test_unsupported_or_bad_fields_are_a_400_naming_them(worker_url, body, param):

@@ -105,7 +105,8 @@ class ResponsesResume(_Strict):
 class ResponsesRequest(_Strict):
     """``POST /v1/responses``. ``input`` items are checked one by one (``worker``), since a
     message item may omit its ``type``. Extensions: ``seed`` (as for chat), and the router's
-    ``return_token_ids`` and ``resume`` (a migrated stream)."""
+    ``return_token_ids``, ``resume`` (a migrated stream) and ``kv_transfer_params`` (a first
+    turn's remote prefill, as for chat)."""
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -126,6 +127,7 @@ class ResponsesRequest(_Strict):
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     return_token_ids: bool = False
     resume: ResponsesResume | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class InputText(_Strict):

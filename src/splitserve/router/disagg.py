@@ -26,6 +26,14 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def responses_prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A ``/v1/responses`` first turn's prefill leg: the same prompt (instructions, input,
+    tools), one token, not stored; the response's KV kept for D as for chat."""
+    out = {**body, "max_output_tokens": 1, "stream": False, "store": False}
+    out["kv_transfer_params"] = {"do_remote_decode": True}
+    return out
+
+
 def decode_fields(params: dict[str, Any]) -> dict[str, Any]:
     """The decode leg is the client's request as sent, plus these: where to pull the KV."""
     return {"kv_transfer_params": params}

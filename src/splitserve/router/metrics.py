@@ -51,6 +51,12 @@ class RouterMetrics:
             "Streams resumed on another decode worker after a failure",
             registry=r,
         )
+        self.response_searches = Counter(
+            "splitserve:router_response_searches",
+            "/v1/responses turns sent on to another worker: the one asked lacked the previous "
+            "response",
+            registry=r,
+        )
         self.midstream_failures = Counter(
             "splitserve:router_midstream_failures",
             "Streams whose worker failed after the first byte",

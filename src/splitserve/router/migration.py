@@ -27,7 +27,8 @@ next worker is asked:
   settled ids; its chunks are re-shaped into the client's format (same id, model, object).
   It carries no sampler state: a stop string that straddles the resume point is not seen and
   seeded sampling does not replay the same draws, and streams whose output depends on more
-  (or that have several choices or log-probabilities) are not resumed (``resumable_request``).
+  are not resumed (``resumable_request``). A text completion's ``logprobs`` carry over (the
+  leg's ``text_offset`` shifted to count from the output's start); a chat stream's do not.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ DONE = b"data: [DONE]\n\n"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the workers' default for /v1/completions
 # Request fields that mean the same in a text completion and carry over to the resumed leg.
 # Not ``kv_transfer_params`` (it names KV of the original prompt on a prefill worker) nor
-# chat-only fields (``messages``, ``tools``, ``logprobs`` which is a bool there).
+# chat-only fields (``messages``, ``tools``); ``logprobs`` only from a text completion (it is
+# a bool in chat).
 _CARRIED = (
     "model",
     "temperature",
@@ -74,6 +76,11 @@ class ChoiceLog:
     calls_sent: bool = False  # the chunk with the reply's tool calls (they end it)
     ids_sent: int = 0  # output ids the client has had (``client_wants_ids``)
     logprobs_sent: int = 0  # output tokens whose log-probabilities the client has had
+    # A text completion's log-probabilities: where each output token's text ends (its
+    # ``text_offset`` plus its length), and that of the last settled token when the current
+    # resumed leg began, whose offsets count from 0 again.
+    offset_ends: list[int] = field(default_factory=list)
+    offset_base: int = 0
 
     @property
     def ended(self) -> bool:
@@ -133,15 +140,21 @@ def resumable_request(body: dict[str, Any], engine: str = "builtin") -> bool:
     through the request's sampler state, so greedy and seeded streams, ``n > 1``, tools,
     grammars (``response_format``, forced ``tool_choice``), penalties and log-probabilities
     continue exactly. On vLLM workers (``engine == "vllm"``) the resumed leg is a plain text
-    completion of one sequence, so not with ``n > 1`` or ``logprobs`` (it would not know
-    which tokens the client has the log-probabilities of), nor when the request offers tools
+    completion of one sequence, so not with ``n > 1`` (one leg per choice would be needed,
+    and a seeded choice's draws could not be replayed), nor with a chat stream's ``logprobs``
+    (the leg's are a text completion's parallel lists, whose ``{token: logprob}`` maps merge
+    tokens that decode alike and add the sampled token past ``top_logprobs``: chat's
+    ``logprobs.content`` entries cannot be rebuilt from them exactly) or with ``echo`` (the
+    prompt's are in the first chunk), nor when the request offers tools
     (the worker holds back text that may be a call, which that leg could not rebuild), nor
     with a grammar or penalties (state it would not carry). A stream that is not resumable
     is relayed as it is and ends with an error event on a failure."""
     if engine != "vllm":
         return True
-    if body.get("n") not in (None, 1) or body.get("logprobs"):
+    if body.get("n") not in (None, 1):
         return False
+    if body.get("logprobs") is not None and ("messages" in body or body.get("echo")):
+        return False  # a text completion's own (an integer) carry over
     if body.get("tools") and body.get("tool_choice") != "none":
         return False
     fmt = body.get("response_format")
@@ -163,6 +176,9 @@ class EventRelay:
 
     def end(self) -> None:
         raise NotImplementedError
+
+    def resumed_on(self, url: str) -> None:  # noqa: B027 (most relays need not know)
+        """A resumed leg on the worker at ``url`` ended the stream."""
 
     async def relay(self, raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """The client's bytes for one leg's raw upstream bytes; raises ``IncompleteStream``."""
@@ -234,6 +250,10 @@ class StreamRelay(EventRelay):
                 ]
             return {**self.body, "stream": True, "return_token_ids": True, "resume": resume}
         body = {k: self.body[k] for k in _CARRIED if k in self.body}
+        if not log.chat and self.body.get("logprobs") is not None:
+            body["logprobs"] = self.body["logprobs"]  # the same field in both legs
+        for c in log.choices:  # where the leg's ``text_offset`` starts (with logprobs)
+            c.offset_base = c.offset_ends[len(c.settled) - 1] if c.settled and c.offset_ends else 0
         body.update(
             prompt=log.prompt_ids + log.choices[0].settled,
             max_tokens=remaining,
@@ -320,17 +340,22 @@ class StreamRelay(EventRelay):
             log.usage_sent = log.usage_sent or chunk.get("usage") is not None
             return _sse(chunk)
         choice = chunk["choices"][0]
+        if log.prompt_ids is None and not self.resumed and choice.get("prompt_token_ids"):
+            log.prompt_ids = list(choice["prompt_token_ids"])  # vLLM's text completions
         c = log.choices[choice.get("index", 0)]
         delta = choice.get("delta") or {}
         text = delta.get("content") if log.chat else choice.get("text")
         self._record(c, text or "", choice)
         c.calls_sent = c.calls_sent or "tool_calls" in delta
         if choice.get("logprobs") is not None:
+            if not (log.chat or self.continued):  # a vLLM text completion's
+                self._note_offsets(c, choice["logprobs"])
             self._unsent_logprobs(c, choice)
         if log.client_wants_ids:
             self._unsent_ids(c, choice)
         else:
             chunk.pop("prompt_token_ids", None)
+            choice.pop("prompt_token_ids", None)
             choice.pop("token_ids", None)
         # A chunk the worker sent only for ids (text held back) that the client did not ask
         # for, or has already: without the extension the worker would not have sent it. (Nor
@@ -360,9 +385,31 @@ class StreamRelay(EventRelay):
         self._record(c, text, choice)
         reason = choice.get("finish_reason")
         ids = self._unsent_ids(c, choice) if log.client_wants_ids else None
-        if not text and reason is None and not ids:
+        logprobs = self._resumed_logprobs(c, choice) if not log.chat else None
+        if not text and reason is None and not ids and logprobs is None:
             return b""
-        return _sse(self._chunk(text, reason, ids))
+        out = self._chunk(text, reason, ids)
+        out["choices"][0]["logprobs"] = logprobs
+        return _sse(out)
+
+    def _resumed_logprobs(self, c: ChoiceLog, choice: dict[str, Any]) -> dict[str, Any] | None:
+        """A resumed text completion's log-probabilities the client has not had, their
+        ``text_offset`` counted from the start of the whole output."""
+        lp = choice.get("logprobs")
+        if lp is None:
+            return None
+        lp["text_offset"] = [c.offset_base + o for o in lp.get("text_offset") or ()]
+        self._note_offsets(c, lp)
+        self._unsent_logprobs(c, choice)
+        return choice["logprobs"]
+
+    @staticmethod
+    def _note_offsets(c: ChoiceLog, lp: dict[str, Any]) -> None:
+        """Record where the text of each token of a text completion's chunk ends, once
+        ``_record`` has counted its ids (one log-probability entry per id)."""
+        ends = [o + len(t) for o, t in zip(lp["text_offset"], lp["tokens"], strict=True)]
+        start = c.length - len(ends)
+        c.offset_ends[start:] = ends
 
     @staticmethod
     def _record(c: ChoiceLog, text: str, choice: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ the last assistant message, which is what the previous turn left in its cache.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -89,6 +90,8 @@ def uncached_from_body(body: dict[str, Any], chars_per_token: float, on_home: bo
 
 def uncached_chars(body: dict[str, Any], on_home: bool) -> int:
     """Characters of the prompt the decode worker probably has not cached."""
+    if "input" in body:  # /v1/responses
+        return _responses_chars(body)
     messages = body.get("messages")
     if isinstance(messages, list):
         start = _after_last_assistant(messages) if on_home else 0
@@ -101,6 +104,23 @@ def uncached_chars(body: dict[str, Any], on_home: bool) -> int:
     if isinstance(prompt, list):
         return 4 * len(prompt)  # token ids: report them in the same character currency
     return 0
+
+
+def _responses_chars(body: dict[str, Any]) -> int:
+    """A Responses request's own part of its prompt: instructions, tools and input. A turn
+    that continues a chain (``previous_response_id``) has the stored conversation ahead of
+    it, which only its decode home holds: that turn is served there whole (``proxy``)."""
+    instructions, tools, items = body.get("instructions"), body.get("tools"), body.get("input")
+    chars = len(instructions) if isinstance(instructions, str) else 0
+    if isinstance(tools, list):
+        chars += len(json.dumps(tools))
+    if isinstance(items, str):
+        return chars + len(items)
+    for item in items if isinstance(items, list) else ():
+        if isinstance(item, dict):
+            parts = (item.get("content"), item.get("output"), item.get("arguments"))
+            chars += sum(_chars({"content": p}) for p in parts)
+    return chars
 
 
 def _after_last_assistant(messages: list[Any]) -> int:

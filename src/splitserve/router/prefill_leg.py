@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from splitserve.common.responses_api import RESPONSES_PATH
 from splitserve.router import disagg
 from splitserve.router.forwarding import Forwarding, WorkerFailed
 from splitserve.router.metrics import RouterMetrics
@@ -40,7 +41,8 @@ class PrefillLeg:
             outcome = "fallback" if decision.remote_prefill else "skipped"
             self.metrics.remote_prefills.labels(outcome).inc()
             return
-        payload = json.dumps(disagg.prefill_body(body)).encode()
+        leg = disagg.responses_prefill_body if path == RESPONSES_PATH else disagg.prefill_body
+        payload = json.dumps(leg(body)).encode()
         self.metrics.sent(worker.url, "prefill")
         params = None
         try:

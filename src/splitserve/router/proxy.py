@@ -56,6 +56,7 @@ from splitserve.router.prefetch import PrefetchHints
 from splitserve.router.prefill_leg import PrefillLeg
 from splitserve.router.replies import Buffered, Reply, Streamed
 from splitserve.router.response import Response, UpstreamError, dropped
+from splitserve.router.response_homes import ChainHomes, previous_not_found
 from splitserve.router.responses_relay import ResponsesLog, ResponsesRelay, unresumable_reason
 from splitserve.router.resume import Resumer
 from splitserve.router.salts import request_salt, salt_for_vllm
@@ -111,6 +112,7 @@ class Proxy:
             config.disaggregate, config.remote_prefill_threshold, config.kv_peer_fetch
         )
         self.hints = PrefetchHints(client, self.vouch)
+        self.homes = ChainHomes()  # where moved response chains now live (a hint)
         self.prefill_leg = PrefillLeg(client, self.vouch, metrics, self._failed)
         self.resumer = Resumer(
             config.max_retries,
@@ -152,23 +154,29 @@ class Proxy:
         forwarding = self._place(client_headers, body, timeline, principal)
         forwarding.tenant = principal
         added: dict[str, Any] = {}  # the router's fields in the forwarded body
+        chain = None
         if responses:  # keyed by its response chain instead (``session.chain_key``)
             chain = self._place_chain(forwarding, body, headers)
             if vllm and chain is not None:  # vLLM's own field, which becomes the response id
                 added["request_id"] = response_id(chain)
         if admission is not None:
             admission.admit(forwarding.info.session_key)
-        decision = self._decide(forwarding)
+        moved_home = self.homes.placed(chain, self.membership.candidates("decode"))
+        decision = moved_home or self._decide(forwarding)
         if decision is None:
             raise no_worker("decode")
         decode = decision.decode
         excluded = [decode.url]
         forwarding.predicted = self._predicted(decode, forwarding.info)
         timeline.routed = now()
-        # The prefill leg, prefetch and peer hints speak chat and completions only.
+        # Prefetch and peer hints speak chat and completions only.
         if self.config.prefetch_hints and forwarding.info.session_key is not None and not responses:
             self.hints.send(decode, body, headers, principal)
-        if self.rules.disaggregate and not responses:
+        if responses and (vllm or body.get("previous_response_id") is not None):
+            # A chained turn's conversation is stored on its decode worker alone (and mostly
+            # cached there); vLLM's /v1/responses takes no kv_transfer_params.
+            decision = decision._replace(remote_prefill=False, prefill=None)
+        if self.rules.disaggregate:
             await self.prefill_leg.run(path, body, headers, forwarding, decision)
         if forwarding.kv_params is not None:
             added.update(disagg.decode_fields(forwarding.kv_params))
@@ -179,7 +187,8 @@ class Proxy:
         stream = body.get("stream") is True
         if stream and responses:  # relayed for its error event even where not resumable
             refusal = unresumable_reason(body, self.config.worker_engine)
-            forwarding.relay = ResponsesRelay(ResponsesLog.of(body, refusal), body)
+            moved = lambda url: self.homes.moved(chain, url)  # noqa: E731
+            forwarding.relay = ResponsesRelay(ResponsesLog.of(body, refusal), body, moved)
             forwarding.headers, forwarding.excluded = headers, excluded
             if refusal is None:
                 added.update(TOKEN_IDS_FIELD)
@@ -189,13 +198,18 @@ class Proxy:
             forwarding.headers, forwarding.excluded = headers, excluded
             added.update(TOKEN_IDS_FIELD)
         payload = forwarded(raw, body, added, rewrite)
-        return await self._with_retries(
-            "decode",
-            forwarding,
-            excluded,
-            decode,
-            lambda w: self._send(w, "POST", path, payload, headers, stream, forwarding),
-        )
+
+        def send(worker: Worker) -> Awaitable[Reply]:
+            return self._send(worker, "POST", path, payload, headers, stream, forwarding)
+
+        def attempt(worker: Worker) -> Awaitable[Reply]:
+            return self._with_retries("decode", forwarding, excluded, worker, send)
+
+        reply = await attempt(decode)
+        if responses and previous_not_found(reply):  # the chain moved: ask the others
+            holder = lambda: self._next_holder(forwarding, excluded)  # noqa: E731
+            reply = await self.homes.find(reply, chain, holder, attempt)
+        return reply
 
     async def models(
         self, client_headers: Mapping[str, str], tenant: str, timeline: Timeline
@@ -278,6 +292,13 @@ class Proxy:
         ring = self._home_ring.sync([w for w in self.membership.all() if w.serves("decode")])
         forwarding.home = ring.owner(key.key)
         return named.get(CHAIN_HEADER) or chain_of(str(body.get("previous_response_id") or ""))
+
+    def _next_holder(self, forwarding: Forwarding, excluded: list[str]) -> Worker | None:
+        """The next decode worker to ask for a turn's previous response (counted)."""
+        worker = self._pick("decode", forwarding.info, excluded)
+        if worker is not None:
+            self.metrics.response_searches.inc()
+        return worker
 
     def _predicted(self, worker: Worker, info: RequestInfo) -> tuple[str, int] | None:
         index = getattr(self.policies["decode"], "index", None)  # the kv-events policy's

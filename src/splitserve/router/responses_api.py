@@ -8,14 +8,20 @@ conversation and KV.
 
 ``POST /v1/responses`` is forwarded like a chat request (placement, retries before the
 first byte, the stream relayed as it comes, resumed on another worker when its worker dies
-mid-stream: ``responses_relay``) but without a remote prefill leg, which speaks the chat and
-completions shapes. ``GET`` and ``DELETE`` ``/v1/responses/{id}`` ask every worker: one
-holds the response; ``DELETE`` also erases the chain's KV wherever a worker has some.
+mid-stream: ``responses_relay``). A first turn on builtin workers may take the remote
+prefill leg as chat does (the prefill worker runs the same request, one token, not stored:
+``disagg.responses_prefill_body``); a turn that continues a chain never does, since its
+stored conversation is on its decode worker alone, which holds its KV too.
 
-A migrated response is stored by the worker that finished it. The chain's later turns are
-keyed by the chain as before: while its first worker is down, the session policy sends them
-where it sent the migrated leg (the same choice over the same healthy workers), which holds
-the response; once that worker is back, they go to it again, which does not.
+``GET`` and ``DELETE`` ``/v1/responses/{id}`` ask every worker: one holds the response;
+``DELETE`` also erases the chain's KV wherever a worker has some. Over vLLM workers ``DELETE``
+is a 400 that says why (``VLLM_CANNOT_DELETE``): vLLM can neither delete a stored response nor
+erase one chain's KV from its prefix cache, and the router will not claim it did.
+
+A migrated response is stored by the worker that finished it. A later turn that lands on a
+worker without it (its first worker is back) is answered 400 ``previous_response_not_found``
+there; the proxy then asks the other workers and remembers where the chain went
+(``response_homes``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ from splitserve.router.proxy import Proxy
 from splitserve.router.upstream import UpstreamError
 
 FAN_OUT_TIMEOUT_S = 60.0
+VLLM_CANNOT_DELETE = (
+    "DELETE /v1/responses/{id} is not supported with vLLM workers: vLLM has no way to delete a "
+    "stored response, and its prefix cache cannot erase one chain's KV (blocks leave it only by "
+    "eviction). A stored response stays on its worker until that worker restarts; send "
+    "store: false to keep none."
+)
 
 
 def responses_routes(
@@ -55,7 +67,10 @@ def responses_routes(
 
     @router.delete(RESPONSES_PATH + "/{rid}")
     async def delete(rid: str, request: Request) -> JSONResponse:
-        return await _ask_all(proxy(), membership, "DELETE", rid, request, tenant_of(request))
+        tenant = tenant_of(request)
+        if proxy().config.worker_engine == "vllm":
+            raise RouterError(400, VLLM_CANNOT_DELETE, "unsupported_on_vllm", "response_id")
+        return await _ask_all(proxy(), membership, "DELETE", rid, request, tenant)
 
     return router
 

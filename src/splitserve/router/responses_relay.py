@@ -25,7 +25,7 @@ events are one step: the response was complete, and stored, on the dead worker).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,10 +105,21 @@ class ResponsesRelay(EventRelay):
 
     resume_path = "/v1/responses"
 
-    def __init__(self, log: ResponsesLog, body: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        log: ResponsesLog,
+        body: dict[str, Any],
+        moved: Callable[[str], None] | None = None,
+    ) -> None:
         self.log = log
         self.body = body
+        self.moved = moved  # told the URL of the worker that finished a resumed response
         self._partial = b""
+
+    def resumed_on(self, url: str) -> None:
+        """The response was finished, and stored, by the worker at ``url``."""
+        if self.moved is not None:
+            self.moved(url)
 
     def feed(self, piece: bytes) -> bytes:
         *events, self._partial = (self._partial + piece).split(b"\n\n")

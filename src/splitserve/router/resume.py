@@ -96,6 +96,7 @@ class Resumer:
                     yield f": splitserve migrated to {worker.url}\n\n".encode()
                     async for out in relay.relay(pieces(upstream)):
                         yield out
+                relay.resumed_on(worker.url)
                 return
             except (UpstreamError, IncompleteStream, ValueError, WorkerFailed) as e:
                 self.failed(worker, "decode", e)

@@ -126,6 +126,8 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
     ):
         if value is not None:
             body[name] = value
+    if req.kv_transfer_params is not None:  # a remote prefill's legs, as for chat
+        body["kv_transfer_params"] = req.kv_transfer_params
     if req.resume is not None:  # the chat path's resume (``worker/resume.py``)
         tokens = ("prompt_token_ids", "output_token_ids")
         body["resume"] = req.resume.model_dump(include=set(tokens))

@@ -31,6 +31,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from splitserve.common.protocol import ChatCompletionRequest
 from splitserve.common.responses_api import (
     CHAIN_HEADER,
     RESPONSES_PATH,
@@ -51,7 +52,7 @@ from splitserve.worker.disconnect import ClientGone, unless_disconnected
 from splitserve.worker.engine_calls import add_request, kv_blocks, note_usage
 from splitserve.worker.erasure import _erase, tenant_of
 from splitserve.worker.errors import APIError, bad_request
-from splitserve.worker.kv_api import KVSides, tool_call_pin
+from splitserve.worker.kv_api import KVSides, kv_transfer, tool_call_pin
 from splitserve.worker.kv_owners import KVOwners, OwnedStream
 from splitserve.worker.metrics import WorkerMetrics
 from splitserve.worker.prepare import EngineInput, ModelInfo, model_not_found, parse_body
@@ -89,6 +90,7 @@ class _Turn:
         self.context = context  # the conversation before this turn's output
         self.created_at = int(time.time())
         self.tools = bool(req.tools) and req.tool_choice != "none"
+        self.chat: ChatCompletionRequest | None = None  # the request as chat (``chat_request``)
 
     def resume(self, resume: ResponsesResume) -> None:
         """Go on as the response another worker began (a 400 if it is not of this chain)."""
@@ -125,9 +127,10 @@ def responses_routes(
         turn = _turn(req, request, store)
         if req.resume is not None:
             turn.resume(req.resume)
-        chat = chat_request(req, turn.messages())
+        turn.chat = chat = chat_request(req, turn.messages())
         inp = resumed_input(chat, engine_input(chat, model), model)
-        return await _serve(request, turn, inp, model, async_engine, metrics, auth, store, owners)
+        served = async_engine, metrics, auth, store, owners, kv
+        return await _serve(request, turn, inp, model, *served)
 
     @router.get(RESPONSES_PATH + "/{rid}")
     async def retrieve(rid: str, request: Request) -> dict[str, Any]:
@@ -198,6 +201,7 @@ async def _serve(
     auth: WorkerAuth,
     store: ResponseStore,
     owners: KVOwners | None,
+    kv: KVSides,
 ) -> Response:
     resumed = _resumed_stream(turn, inp)  # checked before the engine has the request
     request.state.request_id, request.state.session = turn.id, turn.session
@@ -211,7 +215,11 @@ async def _serve(
         metrics,
     )
     try:
-        stream = await add_request(async_engine, turn.id, inp, False, salt, {})
+        assert turn.chat is not None
+        # A first turn's remote prefill (the router's, as for chat): the prefill leg keeps
+        # the prompt's KV for the decode leg, which pulls it before it runs.
+        inp, keep = await kv_transfer(turn.chat, inp, kv, request)
+        stream = await add_request(async_engine, turn.id, inp, keep, salt, {})
     except BaseException:
         ticket.release()
         raise
@@ -242,7 +250,11 @@ async def _serve(
         return Response(status_code=499)  # nobody is listening; the request was aborted
     except EngineError as e:
         raise APIError(500, str(e)) from e
-    return JSONResponse(await finish(out, output_items(out, turn.tools)))
+    body = await finish(out, output_items(out, turn.tools))
+    if out.kept_blocks is not None and kv.prefill is not None:  # a prefill leg's answer
+        n_prompt = len(out.prompt_token_ids)
+        body["kv_transfer_params"] = kv.prefill.grant(turn.id, out.kept_blocks, n_prompt)
+    return JSONResponse(body)
 
 
 def _resumed_stream(turn: _Turn, inp: EngineInput) -> ResumedStream | None:
