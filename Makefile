@@ -66,7 +66,7 @@ serve: $(STAMP)
 	$(BIN)/splitserve serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not timing" tests
+	$(BIN)/python -m pytest -q -m "not timing" --durations=40 tests
 
 # The tests against real vLLM workers (make test runs them too, when .venv-vllm exists).
 test-vllm: $(STAMP) $(VLLM_STAMP)

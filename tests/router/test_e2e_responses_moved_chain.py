@@ -96,7 +96,9 @@ def test_a_chain_goes_on_where_its_migrated_response_was_stored(real_workers, ma
     served, turn = follow_up(router.url, moved["id"], model)
     assert served == second.url
     assert turn.output_text == clean_turn.output_text
-    assert cached(turn) == cached(clean_turn) > 0  # what an undisturbed chain finds
+    # At least what an undisturbed chain finds (the workers are shared: another test's
+    # identical conversation may have left more of its blocks there).
+    assert cached(turn) >= cached(clean_turn) > 0
 
     # A replica that does not: round-robin asks the restarted worker first, then the second.
     replica = make_router(workers=[back.url, second.url], policy="round-robin", admin_key=ADMIN_KEY)
@@ -105,14 +107,14 @@ def test_a_chain_goes_on_where_its_migrated_response_was_stored(real_workers, ma
     assert served == second.url
     assert metric(replica, "splitserve:router_response_searches_total") == 1
     assert following.output_text == clean_next.output_text
-    assert cached(following) == cached(clean_next) > 0
+    assert cached(following) >= cached(clean_next) > 0
     # ... and remembers: the next turn goes to the second at once (round-robin's next pick
     # would be the restarted worker again).
     served, last = follow_up(replica.url, following.id, model)
     assert served == second.url
     assert metric(replica, "splitserve:router_response_searches_total") == 1
     assert last.output_text == clean_last.output_text
-    assert cached(last) == cached(clean_last) > 0
+    assert cached(last) >= cached(clean_last) > 0
 
     # A response no worker holds is still the worker's 400, once every worker was asked.
     r = HTTP.post(
