@@ -255,7 +255,7 @@ class Controller:
                 return
             retiring = [s for s in self._slots.values() if s.state == "retiring"]
             for slot in retiring:
-                slot.state, slot.idle_checks, slot.since = "draining", 0, time.monotonic()
+                slot.state, slot.idle_checks, slot.since = "draining", 0, now
         for slot in retiring:
             self._note(f"draining {slot.name} ({slot.url})")
 
