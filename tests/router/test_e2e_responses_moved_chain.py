@@ -35,6 +35,9 @@ from .test_proxy import metric
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
+BLOCK = 16
+
+
 def healthy(router_url: str, url: str) -> bool:
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     workers = HTTP.get(router_url + "/workers", headers=admin, timeout=5).json()["workers"]
@@ -62,6 +65,13 @@ def follow_up(router_url: str, previous: str, model: str, stream: bool = False):
 
 def cached(response) -> int:
     return response.usage.input_tokens_details.cached_tokens
+
+
+def written(usage: dict) -> int:
+    """The tokens of a turn's context held in whole KV blocks after it: its prompt and all
+    but its last output token (never fed back), in 16-token blocks. A worker may hold more
+    (another test's identical conversation), never less."""
+    return BLOCK * ((usage["input_tokens"] + usage["output_tokens"] - 1) // BLOCK)
 
 
 def test_a_chain_goes_on_where_its_migrated_response_was_stored(real_workers, make_router):
@@ -96,9 +106,9 @@ def test_a_chain_goes_on_where_its_migrated_response_was_stored(real_workers, ma
     served, turn = follow_up(router.url, moved["id"], model)
     assert served == second.url
     assert turn.output_text == clean_turn.output_text
-    # At least what an undisturbed chain finds (the workers are shared: another test's
-    # identical conversation may have left more of its blocks there).
-    assert cached(turn) >= cached(clean_turn) > 0
+    # Every block of the moved turn's context is found where it was stored.
+    assert cached(clean_turn) >= written(reply(clean)[2]["usage"]) > 0
+    assert cached(turn) >= written(moved["usage"]) > 0
 
     # A replica that does not: round-robin asks the restarted worker first, then the second.
     replica = make_router(workers=[back.url, second.url], policy="round-robin", admin_key=ADMIN_KEY)
@@ -107,14 +117,14 @@ def test_a_chain_goes_on_where_its_migrated_response_was_stored(real_workers, ma
     assert served == second.url
     assert metric(replica, "splitserve:router_response_searches_total") == 1
     assert following.output_text == clean_next.output_text
-    assert cached(following) >= cached(clean_next) > 0
+    assert cached(following) >= written(turn.usage.model_dump()) > 0
     # ... and remembers: the next turn goes to the second at once (round-robin's next pick
     # would be the restarted worker again).
     served, last = follow_up(replica.url, following.id, model)
     assert served == second.url
     assert metric(replica, "splitserve:router_response_searches_total") == 1
     assert last.output_text == clean_last.output_text
-    assert cached(last) >= cached(clean_last) > 0
+    assert cached(last) >= written(following.usage.model_dump()) > 0
 
     # A response no worker holds is still the worker's 400, once every worker was asked.
     r = HTTP.post(
