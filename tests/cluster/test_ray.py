@@ -461,18 +461,37 @@ def test_autoscale_moves_the_split_as_the_simulator_predicts_when_prompts_grow(c
             sum(p["role"] == "decode" for p in procs),
         )
         assert split == tuple(scaled[-1]["best"])
-        # Make before break: the removed worker served until the added one was ready.
+        # Make before break: each removed worker served until its replacement was ready.
         events = d.status()["events"]
-        added = [e.split("adding ")[1].split(":")[0] for e in events if " adding " in e]
-        retired = [i for i, e in enumerate(events) if " retiring " in e]
-        assert added and retired, events
-        ready = max(next(i for i, e in enumerate(events) if f" {n} ready" in e) for n in added)
-        drained = min(i for i, e in enumerate(events) if " draining " in e)
-        assert retired[0] < ready < drained, events
+        resizes = _resizes(events)
+        assert resizes, "\n".join(events)
+        for added, retired in resizes:
+            assert added and retired, "\n".join(events)
+            ready = max(_first(events, f" {name} ready", after=i) for name, i in added)
+            for name, i in retired:
+                assert i < ready < _first(events, f" draining {name} ", after=i), "\n".join(events)
         with Load(d.routers, clients=1, max_tokens=4, prompt="Say hi.") as load:
             load.wait_done(4)
         served = [w for w in d.status()["workers"] if w["role"] == "decode" and w["sessions"]]
         assert served and all(w["kv_blocks_indexed"] > 0 for w in served), served
+
+
+def _resizes(events: list[str]) -> list[tuple[list[tuple[str, int]], list[tuple[str, int]]]]:
+    """Per autoscaling resize in the controller's events: the (worker, event index) of the
+    workers it added and of those it retired."""
+    out: list[tuple[list, list]] = []
+    for i, e in enumerate(events):
+        if " autoscale scale: " in e:
+            out.append(([], []))
+        elif out and (" adding " in e or " retiring " in e):
+            name = e.split(" adding " if " adding " in e else " retiring ")[1].split()[0]
+            out[-1][0 if " adding " in e else 1].append((name.rstrip(":"), i))
+    return out
+
+
+def _first(events: list[str], text: str, after: int) -> int:
+    """The index of the first event after ``after`` that contains ``text``."""
+    return next(i for i, e in enumerate(events) if i > after and text in e)
 
 
 def _decisions(d: Deployment, count: int, until=None, timeout: float = 300.0) -> list[dict]:
