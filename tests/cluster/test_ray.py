@@ -26,6 +26,7 @@ from procs import die_with_parent, metric, stop_group
 from ray_nodes import RayCluster
 
 pytest.importorskip("ray")
+pytestmark = pytest.mark.ray  # make test-ray
 
 PROMPT = "Explain, step by step, how a hash table handles collisions. " * 8
 HEAD, NODE_B = "127.0.0.2", "127.0.0.3"

