@@ -120,7 +120,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return run_vllm_worker_from_args(args)
     lora_args(args)  # refused: the builtin engine runs no LoRA
     from splitserve.config import EngineConfig
-    from splitserve.worker.main import run_worker
 
     if args.cpus is not None:
         cores = parse_cpus(args.cpus)
@@ -134,6 +133,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         kv_cache_shm=disagg.shares_kv_cache,
         **_engine_options(args),
     )
+    from splitserve.worker.main import run_worker  # torch: only once the flags are good
+
     run_worker(
         config,
         host=args.host,

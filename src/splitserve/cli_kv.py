@@ -182,7 +182,7 @@ def cmd_kv_drop_key(args: argparse.Namespace) -> int:
 
 
 def disagg_config(args: argparse.Namespace):
-    from splitserve.worker.disagg import DisaggConfig
+    from splitserve.worker.disagg_config import DisaggConfig
 
     return DisaggConfig(
         role=args.role,

@@ -309,7 +309,10 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        self.lm_head_packed = packed_weight(self.lm_head_t.t())
+        # Tied: the embedding is the output projection's ``[vocab, hidden]`` weight, already
+        # contiguous (``lm_head_t.t()`` would be copied first).
+        tied = self.config.tie_word_embeddings
+        self.lm_head_packed = packed_weight(self.embed_tokens if tied else self.lm_head_t.t())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...) into the

@@ -11,7 +11,7 @@ from splitserve.common.body_limit import DEFAULT_MAX_BODY_BYTES
 from splitserve.common.tenants import Tenants
 from splitserve.common.tls import ServerFiles, uvicorn_tls
 from splitserve.config import EngineConfig
-from splitserve.worker.disagg import DisaggConfig
+from splitserve.worker.disagg_config import DisaggConfig
 
 # How long uvicorn lets open streams finish after SIGTERM before closing them.
 GRACEFUL_SHUTDOWN_S = 3

@@ -35,7 +35,8 @@ from splitserve.common.protocol import make_id
 from splitserve.common.tls import client_context
 from splitserve.transfer import RemoteKV
 from splitserve.worker.auth import WorkerAuth
-from splitserve.worker.disagg import DecodeSide, DisaggConfig, EngineCalls, PrefillSide
+from splitserve.worker.disagg import DecodeSide, EngineCalls, PrefillSide
+from splitserve.worker.disagg_config import DisaggConfig
 from splitserve.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)

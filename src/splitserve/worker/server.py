@@ -32,7 +32,7 @@ from splitserve.worker.choices import (
     choice_id,
     choice_params,
 )
-from splitserve.worker.disagg import DisaggConfig
+from splitserve.worker.disagg_config import DisaggConfig
 from splitserve.worker.disconnect import ClientGone, unless_disconnected
 from splitserve.worker.engine_calls import add_request, kv_blocks, note_usage
 from splitserve.worker.erasure import erasure_routes, own_stream
