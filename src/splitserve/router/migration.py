@@ -29,7 +29,10 @@ next worker is asked (``resume_mode``, decided when the request arrives):
   ``text_offset`` shifted to count from the output's start).
 - ``replay`` (vLLM workers, the rest): the client's request again, unchanged; each choice's
   chunks are skipped until they cover every id the client was sent of it, pending ones
-  included (``router/replay.py``), and the rest relayed with the first leg's id and created.
+  included, each id checked (``router/replay.py``), and the rest relayed with the first leg's
+  id and created. Greedy and seeded streams come out the same, tools, grammars, penalties,
+  stop strings, log-probabilities and ``n > 1`` included; a replay that differs ends the
+  stream with an error event.
 """
 
 from __future__ import annotations
