@@ -28,6 +28,7 @@ def test_argv_carries_the_model_resources_and_limits():
     pairs = zip(argv[3:], argv[4:], strict=False)
     flags = {a: b for a, b in pairs if a.startswith("--") and not b.startswith("--")}
     assert "--enable-prompt-tokens-details" in argv  # usage reports vLLM's cached_tokens
+    assert flags["--tool-call-parser"] == "hermes" and "--enable-auto-tool-choice" in argv
     assert flags["--model"] == "/m" and flags["--served-model-name"] == "name"
     assert flags["--port"] == "8123" and flags["--kv-cache-memory-bytes"] == str(1 << 29)
     assert flags["--max-num-seqs"] == "8" and "--max-model-len" not in flags

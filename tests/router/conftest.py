@@ -98,6 +98,7 @@ class FakeWorker:
             greedy=False,
             die_after=2,
             set_cookie=False,
+            diverge_at=None,
         )
 
     def seen(self) -> list[dict]:

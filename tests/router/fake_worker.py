@@ -5,7 +5,8 @@ With ``return_token_ids`` it streams token ids like a real worker: the prompt's 
 code points of its text (or the given ids), and the token generated at position p is p (a
 request that ``resume``s a stream goes on after its output ids, counted in ``max_tokens``). In
 ``greedy`` mode its text is ``"t{p} "``, the same on every worker, as a greedy model's would
-be; otherwise it names the worker (``"w1-0 "``) so tests can tell who wrote what.
+be; otherwise it names the worker (``"w1-0 "``) so tests can tell who wrote what. From
+position ``diverge_at`` on, its greedy tokens are p + 1000 (a near tie gone the other way).
 Tests steer it at run time through ``POST /_mode`` and read what it received from
 ``GET /_requests``. It speaks just enough of the OpenAI API and of the disaggregated
 two-leg protocol (``kv_transfer_params``) to exercise the router.
@@ -40,6 +41,7 @@ def create_app(name: str, role: str) -> FastAPI:
         "greedy": False,
         "die_after": 2,
         "set_cookie": False,
+        "diverge_at": None,
     }
     seen: list[dict[str, Any]] = []
 
@@ -157,6 +159,8 @@ async def _sse(name: str, state: dict[str, Any], chat: bool, body: dict[str, Any
         if state["mode"] == "die_midstream" and i == state["die_after"]:
             raise RuntimeError("the worker died mid-stream")  # uvicorn drops the connection
         position = len(prompt) + done + i
+        if state["diverge_at"] is not None and position >= state["diverge_at"]:
+            position += 1000
         chunk: dict[str, Any] = {"id": f"{name}-stream", "model": "fake"}
         choice = _choice(name, chat, i)
         if state["greedy"]:

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from splitserve.router.migration import IncompleteStream, StreamLog, StreamRelay, resumable_request
+from splitserve.router.migration import IncompleteStream, StreamLog, StreamRelay
 from splitserve.router.proxy import DECODE_HEADER
+from splitserve.router.resume_mode import ResumeMode, resume_mode
 
 from .conftest import HTTP
 from .test_proxy import metric, urls
@@ -51,10 +52,10 @@ def run(relay: StreamRelay, pieces: list[bytes]) -> tuple[list[dict], Exception 
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("continued", [True, False])
-def test_first_leg_strips_ids_and_settles_only_tokens_whose_text_arrived(continued):
+@pytest.mark.parametrize("mode", [ResumeMode.CONTINUE, ResumeMode.EXTEND])
+def test_first_leg_strips_ids_and_settles_only_tokens_whose_text_arrived(mode):
     original = {"messages": [], "max_tokens": 10}
-    relay = StreamRelay(StreamLog.of(original, chat=True), original, continued)
+    relay = StreamRelay(StreamLog.of(original, chat=True), original, mode)
     role = chat_chunk("", None, prompt_token_ids=[1, 2, 3])
     role["choices"][0]["delta"]["role"] = "assistant"
     stream = b"".join(
@@ -77,7 +78,7 @@ def test_first_leg_strips_ids_and_settles_only_tokens_whose_text_arrived(continu
     assert (log.prompt_ids, choice.settled, choice.pending) == ([1, 2, 3], [50], [51, 52])
     assert relay.remaining() == 9
     body = relay.resume_body(9)
-    if continued:  # builtin workers: the request itself, going on after the settled ids
+    if mode is ResumeMode.CONTINUE:  # builtin workers: the request, after the settled ids
         assert relay.resume_path == "/v1/chat/completions"
         assert body == original | {
             "stream": True,
@@ -96,7 +97,7 @@ def test_first_leg_strips_ids_and_settles_only_tokens_whose_text_arrived(continu
 
 def test_resumed_completion_leg_reads_like_the_first_and_usage_counts_the_whole_request():
     original = {"max_tokens": 4, "temperature": 0, "stream_options": {"include_usage": True}}
-    relay = StreamRelay(StreamLog.of(original, chat=True), original, continued=False)
+    relay = StreamRelay(StreamLog.of(original, chat=True), original, ResumeMode.EXTEND)
     run(relay, [sse(chat_chunk("", None, prompt_token_ids=[1, 2])), sse(chat_chunk("a", [9]))])
     body = relay.resume_body(relay.remaining())
     assert body["prompt"] == [1, 2, 9] and body["max_tokens"] == 3 and body["temperature"] == 0
@@ -292,43 +293,64 @@ def test_a_client_cannot_send_the_routers_resume_field(workers3, make_router):
     assert seen["prompt"] == "forged" and "resume" not in seen
 
 
-@pytest.mark.parametrize(
-    ("extra", "on_builtin", "on_vllm"),
-    [
-        ({}, True, True),
-        ({"response_format": {"type": "text"}}, True, True),
-        ({"response_format": {"type": "json_object"}}, True, False),
-        ({"seed": 3, "temperature": 1}, True, True),
-        ({"logprobs": True}, True, False),
-        ({"frequency_penalty": 0.5}, True, False),
-        ({"repetition_penalty": 1}, True, True),
-        ({"repetition_penalty": 1.2}, True, False),
-        ({"tools": [{"type": "function"}], "tool_choice": "none"}, True, True),
-        ({"tools": [{"type": "function"}]}, True, False),
-        ({"tools": [{"type": "function"}], "tool_choice": "required"}, True, False),
-        ({"n": 1}, True, True),
-        ({"n": 2}, True, False),
-    ],
-)
-def test_which_streams_are_resumed_elsewhere(extra, on_builtin, on_vllm):
-    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, **extra}
-    assert resumable_request(body) is on_builtin
-    assert resumable_request(body, "vllm") is on_vllm
+E, R = ResumeMode.EXTEND, ResumeMode.REPLAY
 
 
 @pytest.mark.parametrize(
     ("extra", "on_vllm"),
     [
-        ({}, True),
-        ({"logprobs": 2}, True),
-        ({"logprobs": 0}, True),
-        ({"logprobs": 2, "echo": True}, False),
+        ({}, E),
+        ({"temperature": 0.7}, E),  # fresh draws, as any unseeded run
+        ({"seed": 3, "temperature": 0}, E),
+        ({"seed": 3, "temperature": 1}, R),
+        ({"seed": 3}, R),  # vLLM's default temperature is 1
+        ({"response_format": {"type": "text"}}, E),
+        ({"response_format": {"type": "json_object"}}, R),
+        ({"logprobs": False}, E),
+        ({"logprobs": True, "top_logprobs": 2}, R),
+        ({"frequency_penalty": 0.5}, R),
+        ({"presence_penalty": 0.0}, E),
+        ({"repetition_penalty": 1}, E),
+        ({"repetition_penalty": 1.2}, R),
+        ({"stop": ["\n\n"]}, R),  # a stop string may straddle the resume point
+        ({"logit_bias": {"42": 5}}, R),  # any field an extension does not carry
+        ({"tools": [{"type": "function"}], "tool_choice": "none"}, E),
+        ({"tools": [{"type": "function"}]}, R),
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, R),
+        ({"n": 1}, E),
+        ({"n": 2}, R),
+        ({"echo": True}, None),  # vLLM leaves the echoed prompt out with return_token_ids
     ],
 )
-def test_a_text_completions_logprobs_resume_on_vllm_but_not_with_echo(extra, on_vllm):
+def test_how_streams_are_resumed_elsewhere(extra, on_vllm):
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, **extra}
+    assert resume_mode(body) is ResumeMode.CONTINUE  # builtin workers resume every stream
+    assert resume_mode(body, "vllm") is on_vllm
+
+
+@pytest.mark.parametrize(
+    ("extra", "on_vllm"),
+    [
+        ({}, E),
+        ({"logprobs": 2}, E),
+        ({"logprobs": 0}, E),
+        ({"logprobs": 2, "echo": True}, None),
+        ({"logprobs": 2, "n": 2}, R),
+    ],
+)
+def test_a_text_completions_logprobs_extend_on_vllm_but_not_with_echo(extra, on_vllm):
     body = {"prompt": "hi", "stream": True, **extra}
-    assert resumable_request(body) is True
-    assert resumable_request(body, "vllm") is on_vllm
+    assert resume_mode(body) is ResumeMode.CONTINUE
+    assert resume_mode(body, "vllm") is on_vllm
+
+
+def test_regression_a_resumed_vllm_leg_keeps_the_tenants_cache_salt():
+    # The extension leg carried no ``cache_salt``: its prompt, the delivered text included,
+    # was cached where other tenants' requests could hit it.
+    original = {"prompt": "p", "max_tokens": 4, "cache_salt": "tenant-salt"}
+    relay = StreamRelay(StreamLog.of(original, chat=False), original, ResumeMode.EXTEND)
+    run(relay, [sse(text_lp_chunk("t50", [50], 0, prompt_token_ids=[1, 2]))])
+    assert relay.resume_body(3)["cache_salt"] == "tenant-salt"
 
 
 def text_lp_chunk(text: str, ids: list[int], offset: int, **extra) -> dict:
@@ -354,14 +376,14 @@ def test_regression_a_vllm_text_completion_names_its_prompt_ids_in_the_choice():
     # vLLM puts a streamed text completion's prompt ids in its first choice, not beside the
     # choices as in chat: read there, they make the stream resumable.
     original = {"prompt": "p", "max_tokens": 4, "stream": True}
-    relay = StreamRelay(StreamLog.of(original, chat=False), original, continued=False)
+    relay = StreamRelay(StreamLog.of(original, chat=False), original, ResumeMode.EXTEND)
     run(relay, [sse(text_lp_chunk("t50", [50], 0, prompt_token_ids=[1, 2]))])
     assert relay.log.resumable and relay.resume_body(3)["prompt"] == [1, 2, 50]
 
 
 def test_a_resumed_text_completion_carries_logprobs_at_the_whole_outputs_offsets():
     original = {"prompt": "p", "logprobs": 1, "max_tokens": 6, "stream": True}
-    relay = StreamRelay(StreamLog.of(original, chat=False), original, continued=False)
+    relay = StreamRelay(StreamLog.of(original, chat=False), original, ResumeMode.EXTEND)
     # Token 51's text is held back, but its chunk (with its log-probabilities) went out.
     first = [text_lp_chunk("t50", [50], 0, prompt_token_ids=[1, 2]), text_lp_chunk("", [51], 3)]
     chunks, _ = run(relay, [b"".join(sse(c) for c in first)])

@@ -75,17 +75,21 @@ def test_streaming_passes_every_chunk_through(workers3, make_router):
 
 
 @pytest.mark.parametrize("engine", ["builtin", "vllm"])
-def test_streams_that_offer_tools_get_migration_bookkeeping_from_builtin_workers_only(
+def test_streams_get_migration_bookkeeping_unless_a_vllm_worker_could_not_resume_them(
     workers3, make_router, engine
 ):
-    # A vLLM worker holds back possible tool-call text, which its resumed leg (a text
-    # completion) could not rebuild: the router must not ask for token ids (its resume
-    # bookkeeping) on such streams. A builtin worker's resumed leg replays them.
+    # The router asks for token ids (its resume bookkeeping) on every stream it can resume:
+    # on vLLM ones too when they offer tools (they are replayed), but not with ``echo``, whose
+    # echoed text vLLM leaves out when ids are asked for.
     router = make_router(workers=urls(workers3[:1]), worker_engine=engine)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    for extra, wants_ids in (({}, True), ({"tools": tools}, engine == "builtin")):
-        body = chat(stream=True, **extra)
-        with HTTP.stream("POST", router.url + "/v1/chat/completions", timeout=30.0, json=body) as r:
+    echo = {"prompt": "abc", "echo": True, "stream": True}
+    for path, body, wants_ids in (
+        ("/v1/chat/completions", chat(stream=True), True),
+        ("/v1/chat/completions", chat(stream=True, tools=tools), True),
+        ("/v1/completions", echo, engine == "builtin"),
+    ):
+        with HTTP.stream("POST", router.url + path, timeout=30.0, json=body) as r:
             assert r.read().endswith(b"data: [DONE]\n\n")
         seen = workers3[0].seen()[-1]["body"]
         assert seen.get("return_token_ids", False) is wants_ids

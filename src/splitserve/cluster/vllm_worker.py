@@ -156,6 +156,10 @@ def vllm_argv(python: str, spec: VllmWorkerSpec) -> list[str]:
     argv += ["--kv-cache-memory-bytes", str(int(spec.kv_cache_gb * (1 << 30)))]
     argv += ["--uvicorn-log-level", spec.log_level]  # not --disable-log-stats: it drops /metrics
     argv += ["--enable-prompt-tokens-details"]  # usage.prompt_tokens_details.cached_tokens
+    # Tool calls as builtin workers write them (Hermes ``<tool_call>`` blocks); without a
+    # parser vLLM answers any ``tool_choice`` but "none" with a 400. Forced and named choices
+    # are then constrained by vLLM's structured outputs.
+    argv += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     for flag, value in (
         ("--max-model-len", spec.max_model_len),
         ("--max-num-seqs", spec.max_num_seqs),

@@ -51,6 +51,12 @@ class RouterMetrics:
             "Streams resumed on another decode worker after a failure",
             registry=r,
         )
+        self.replay_divergences = Counter(
+            "splitserve:router_replay_divergences",
+            "Replayed streams (vLLM workers) ended because the replay differed from what the "
+            "client had",
+            registry=r,
+        )
         self.response_searches = Counter(
             "splitserve:router_response_searches",
             "/v1/responses turns sent on to another worker: the one asked lacked the previous "

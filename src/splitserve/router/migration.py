@@ -14,21 +14,25 @@ sending chunks with ids but empty text, so ids settle only when a chunk with tex
 The pending ones are regenerated and their text then comes from the next worker; a client
 that asked for ids or log-probabilities does not get those of the regenerated ones twice. A
 request of ``n > 1`` keeps one such log per choice (its chunks name their choice). How the
-next worker is asked:
+next worker is asked (``resume_mode``, decided when the request arrives):
 
-- builtin workers (``continued``): the client's request again, to the same path, with the
+- ``continue`` (builtin workers): the client's request again, to the same path, with the
   router's ``resume`` field (the prompt's ids and the settled ids). The worker takes the
   settled ids as output already generated and replays them through the request's state
   (seeded draws, penalties, grammar, tool-call hold-back, stop strings; ``worker/resume.py``),
   so its chunks are the ones the first worker would have sent next, already in the client's
   shape: the router only gives them the first worker's id and created time. For ``n > 1``
   the ``resume`` field names each choice's settled ids and whether it has ended.
-- vLLM workers: a ``/v1/completions`` request whose prompt is the prompt's ids plus the
-  settled ids; its chunks are re-shaped into the client's format (same id, model, object).
-  It carries no sampler state: a stop string that straddles the resume point is not seen and
-  seeded sampling does not replay the same draws, and streams whose output depends on more
-  are not resumed (``resumable_request``). A text completion's ``logprobs`` carry over (the
-  leg's ``text_offset`` shifted to count from the output's start); a chat stream's do not.
+- ``extend`` (vLLM workers, greedy or unseeded text): a ``/v1/completions`` request whose
+  prompt is the prompt's ids plus the settled ids; its chunks are re-shaped into the client's
+  format (same id, model, object). A text completion's ``logprobs`` carry over (the leg's
+  ``text_offset`` shifted to count from the output's start).
+- ``replay`` (vLLM workers, the rest): the client's request again, unchanged; each choice's
+  chunks are skipped until they cover every id the client was sent of it, pending ones
+  included, each id checked (``router/replay.py``), and the rest relayed with the first leg's
+  id and created. Greedy and seeded streams come out the same, tools, grammars, penalties,
+  stop strings, log-probabilities and ``n > 1`` included; a replay that differs ends the
+  stream with an error event.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from splitserve.router import replay
+from splitserve.router.resume_mode import ResumeMode
 
 DONE = b"data: [DONE]\n\n"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the workers' default for /v1/completions
@@ -55,6 +62,7 @@ _CARRIED = (
     "ignore_eos",
     "user",
     "stream_options",
+    "cache_salt",  # the tenant's: resumed legs share no prefix cache across tenants either
 )
 
 
@@ -73,7 +81,13 @@ class ChoiceLog:
     settled: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    calls_sent: bool = False  # the chunk with the reply's tool calls (they end it)
+    calls_sent: bool = False  # the chunk with the reply's tool calls (they end it; builtin)
+    # ``replay``: whether the client has had a chunk of this choice, the characters of text it
+    # has had, and the ids and characters of skipped text of the current replayed leg.
+    opened: bool = False
+    chars: int = 0
+    replayed: int = 0
+    replayed_chars: int = 0
     ids_sent: int = 0  # output ids the client has had (``client_wants_ids``)
     logprobs_sent: int = 0  # output tokens whose log-probabilities the client has had
     # A text completion's log-probabilities: where each output token's text ends (its
@@ -133,43 +147,12 @@ class StreamLog:
         return all(c.ended for c in self.choices)
 
 
-def resumable_request(body: dict[str, Any], engine: str = "builtin") -> bool:
-    """Whether a stream can be resumed on another worker if its worker fails mid-way.
-
-    On builtin workers every stream is: the worker replays each choice's output so far
-    through the request's sampler state, so greedy and seeded streams, ``n > 1``, tools,
-    grammars (``response_format``, forced ``tool_choice``), penalties and log-probabilities
-    continue exactly. On vLLM workers (``engine == "vllm"``) the resumed leg is a plain text
-    completion of one sequence, so not with ``n > 1`` (one leg per choice would be needed,
-    and a seeded choice's draws could not be replayed), nor with a chat stream's ``logprobs``
-    (the leg's are a text completion's parallel lists, whose ``{token: logprob}`` maps merge
-    tokens that decode alike and add the sampled token past ``top_logprobs``: chat's
-    ``logprobs.content`` entries cannot be rebuilt from them exactly) or with ``echo`` (the
-    prompt's are in the first chunk), nor when the request offers tools
-    (the worker holds back text that may be a call, which that leg could not rebuild), nor
-    with a grammar or penalties (state it would not carry). A stream that is not resumable
-    is relayed as it is and ends with an error event on a failure."""
-    if engine != "vllm":
-        return True
-    if body.get("n") not in (None, 1):
-        return False
-    if body.get("logprobs") is not None and ("messages" in body or body.get("echo")):
-        return False  # a text completion's own (an integer) carry over
-    if body.get("tools") and body.get("tool_choice") != "none":
-        return False
-    fmt = body.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
-        return False
-    if body.get("repetition_penalty") not in (None, 1):
-        return False
-    return not any(body.get(f) for f in ("presence_penalty", "frequency_penalty"))
-
-
 class EventRelay:
     """One leg's raw upstream bytes to the client's, event by event: ``feed`` each piece,
     ``end`` when the leg's stream ends (raising ``IncompleteStream`` if it ended early)."""
 
     _partial: bytes  # the current leg's bytes after its last complete event
+    mode: ResumeMode = ResumeMode.CONTINUE
 
     def feed(self, piece: bytes) -> bytes:
         raise NotImplementedError
@@ -194,14 +177,17 @@ class StreamRelay(EventRelay):
     """Relays one request's SSE stream leg by leg, recording tokens and re-shaping chunks.
 
     The first leg comes from the worker the client asked (chat or completion chunks); every
-    later leg must read like the first: a continuation of the same request (``continued``,
-    builtin workers) or a resumed ``/v1/completions`` stream (vLLM workers).
+    later leg must read like the first, whatever ``mode`` (``resume_mode``) asked it for: a
+    continuation of the same request, a ``/v1/completions`` stream of the prompt and the
+    output so far, or the same request again, whose chunks the client has are skipped.
     """
 
-    def __init__(self, log: StreamLog, body: dict[str, Any], continued: bool = True) -> None:
+    def __init__(
+        self, log: StreamLog, body: dict[str, Any], mode: ResumeMode = ResumeMode.CONTINUE
+    ) -> None:
         self.log = log
         self.body = body
-        self.continued = continued
+        self.mode = mode
         self.resumed = False
         self._partial = b""  # the current leg's bytes after its last complete event
 
@@ -220,7 +206,8 @@ class StreamRelay(EventRelay):
 
     @property
     def resume_path(self) -> str:
-        return "/v1/chat/completions" if self.continued and self.log.chat else "/v1/completions"
+        chat = self.log.chat and self.mode is not ResumeMode.EXTEND
+        return "/v1/chat/completions" if chat else "/v1/completions"
 
     def failure(self) -> str:
         """What the error event says when the stream could not be resumed."""
@@ -237,9 +224,13 @@ class StreamRelay(EventRelay):
         log = self.log
         assert log.prompt_ids is not None
         self.resumed = True
+        if self.mode is ResumeMode.REPLAY:  # all of it again: what was sent is skipped
+            for c in log.choices:
+                c.replayed = c.replayed_chars = 0
+            return {**self.body, "stream": True, "return_token_ids": True}
         for c in log.choices:
             c.pending = []
-        if self.continued:
+        if self.mode is ResumeMode.CONTINUE:
             resume: dict[str, Any] = {"prompt_token_ids": log.prompt_ids}
             if len(log.choices) == 1:
                 resume["output_token_ids"] = log.choices[0].settled
@@ -271,8 +262,8 @@ class StreamRelay(EventRelay):
     def end_spent(self, max_model_len: int | None = None) -> Iterator[bytes]:
         """Finish chunks for the choices of ``n > 1`` that cannot go on while others can:
         their calls were sent (the finish chunk was lost) or their token budget is spent."""
-        if len(self.log.choices) == 1:
-            return
+        if len(self.log.choices) == 1 or self.mode is ResumeMode.REPLAY:
+            return  # (a replayed leg ends every choice itself)
         for index, c in enumerate(self.log.choices):
             if c.finish_reason is None and (c.calls_sent or self._budget(c, max_model_len) <= 0):
                 c.finish_reason = "tool_calls" if c.calls_sent else "length"
@@ -284,7 +275,7 @@ class StreamRelay(EventRelay):
         limit = log.max_tokens
         if limit is None:
             limit = (max_model_len or 0) - len(log.prompt_ids)
-        return limit - len(c.settled)
+        return limit - (c.length if self.mode is ResumeMode.REPLAY else len(c.settled))
 
     def finish_locally(self, reason: str = "length") -> Iterator[bytes]:
         """End the stream without a worker: its token budget is spent (or it had finished).
@@ -321,8 +312,10 @@ class StreamRelay(EventRelay):
         chunk = orjson.loads(line[5:])
         if "error" in chunk or not isinstance(chunk.get("choices"), list):
             return event + b"\n\n"  # the worker reports an error in-band: pass it on
-        if self.resumed and not self.continued:
+        if self.resumed and self.mode is ResumeMode.EXTEND:
             return self._resumed(chunk)
+        if self.resumed and self.mode is ResumeMode.REPLAY:
+            return self._replayed(chunk)
         return self._native(chunk)
 
     def _native(self, chunk: dict[str, Any]) -> bytes:
@@ -343,12 +336,16 @@ class StreamRelay(EventRelay):
         if log.prompt_ids is None and not self.resumed and choice.get("prompt_token_ids"):
             log.prompt_ids = list(choice["prompt_token_ids"])  # vLLM's text completions
         c = log.choices[choice.get("index", 0)]
+        if self.mode is ResumeMode.REPLAY:
+            c.opened = True
+            c.chars += replay.text_chars(choice)
         delta = choice.get("delta") or {}
         text = delta.get("content") if log.chat else choice.get("text")
         self._record(c, text or "", choice)
-        c.calls_sent = c.calls_sent or "tool_calls" in delta
+        if self.mode is ResumeMode.CONTINUE:  # (vLLM streams calls piece by piece)
+            c.calls_sent = c.calls_sent or "tool_calls" in delta
         if choice.get("logprobs") is not None:
-            if not (log.chat or self.continued):  # a vLLM text completion's
+            if not log.chat and self.mode is ResumeMode.EXTEND:
                 self._note_offsets(c, choice["logprobs"])
             self._unsent_logprobs(c, choice)
         if log.client_wants_ids:
@@ -369,6 +366,22 @@ class StreamRelay(EventRelay):
         ):
             return b""
         return _sse(chunk)
+
+    def _replayed(self, chunk: dict[str, Any]) -> bytes:
+        """A replayed leg's chunk: nothing if the client has it, else as the first leg's.
+        Raises ``ReplayDiverged`` where the replay is not what the client has."""
+        choice = chunk["choices"][0] if chunk["choices"] else {}
+        prompt = chunk.get("prompt_token_ids") or choice.get("prompt_token_ids")
+        if prompt and prompt != self.log.prompt_ids:
+            raise replay.ReplayDiverged("the replayed request's prompt is another")
+        if choice:
+            c = self.log.choices[choice.get("index", 0)]
+            have = replay.ids_sent(c, choice)
+            if have is None:
+                return b""
+            if have:
+                replay.cut_head(choice, have, c.chars - c.replayed_chars)
+        return self._native(chunk)
 
     def _resumed(self, chunk: dict[str, Any]) -> bytes:
         """A resumed ``/v1/completions`` chunk, re-shaped as the first leg's."""

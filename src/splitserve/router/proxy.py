@@ -38,12 +38,7 @@ from splitserve.router.headers import (  # noqa: F401 (the answer's headers, nam
 from splitserve.router.leg import Leg
 from splitserve.router.membership import Membership
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.migration import (
-    TOKEN_IDS_FIELD,
-    StreamLog,
-    StreamRelay,
-    resumable_request,
-)
+from splitserve.router.migration import TOKEN_IDS_FIELD, StreamLog, StreamRelay
 from splitserve.router.placement import (
     Decision,
     PlacementRules,
@@ -59,6 +54,7 @@ from splitserve.router.response import Response, UpstreamError, dropped
 from splitserve.router.response_homes import ChainHomes, previous_not_found
 from splitserve.router.responses_relay import ResponsesLog, ResponsesRelay, unresumable_reason
 from splitserve.router.resume import Resumer
+from splitserve.router.resume_mode import resume_mode
 from splitserve.router.salts import request_salt, salt_for_vllm
 from splitserve.router.session import (
     chain_key,
@@ -185,6 +181,7 @@ class Proxy:
             self.metrics.kv_peer_hints.inc()
             added[PEER_FIELD] = decision.peer.url
         stream = body.get("stream") is True
+        mode = resume_mode(body, self.config.worker_engine) if stream else None
         if stream and responses:  # relayed for its error event even where not resumable
             refusal = unresumable_reason(body, self.config.worker_engine)
             moved = lambda url: self.homes.moved(chain, url)  # noqa: E731
@@ -192,9 +189,9 @@ class Proxy:
             forwarding.headers, forwarding.excluded = headers, excluded
             if refusal is None:
                 added.update(TOKEN_IDS_FIELD)
-        elif stream and resumable_request(body, self.config.worker_engine):
+        elif mode is not None:
             log = StreamLog.of(body, chat=path.endswith("/chat/completions"))
-            forwarding.relay = StreamRelay(log, body, continued=not vllm)
+            forwarding.relay = StreamRelay(log, body, mode)
             forwarding.headers, forwarding.excluded = headers, excluded
             added.update(TOKEN_IDS_FIELD)
         payload = forwarded(raw, body, added, rewrite)

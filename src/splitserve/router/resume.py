@@ -2,8 +2,9 @@
 
 The client already holds part of the answer, so the request is not retried: the router asks
 the next worker to continue from the tokens already delivered (``migration``: the request
-itself with a ``resume`` field on builtin workers, a text completion on vLLM ones), one leg
-per worker, and relays the rest into the same client stream.
+itself with a ``resume`` field on builtin workers; on vLLM ones a text completion, or the
+request again whose part the client has is skipped), one leg per worker, and relays the rest
+into the same client stream.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from splitserve.router.membership import Membership
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.migration import IncompleteStream, StreamLog, error_event
 from splitserve.router.policies import RequestInfo, RoutingPolicy
+from splitserve.router.replay import ReplayDiverged
 from splitserve.router.response import Response, UpstreamError
 from splitserve.router.upstream import Pool
 from splitserve.router.vouch import Vouch
@@ -77,7 +79,7 @@ class Resumer:
             if worker is None:
                 break
             self.metrics.migrations.inc()
-            log.warning("resuming a stream on %s", worker.url)
+            log.warning("resuming a stream on %s (%s)", worker.url, relay.mode)
             try:
                 max_model_len = await self._max_model_len(worker, relay.log, forwarding)
                 for out in relay.end_spent(max_model_len):
@@ -93,11 +95,15 @@ class Resumer:
                     break
                 async with self._leg(worker, relay.resume_path, payload, forwarding) as upstream:
                     # SSE comments are ignored by clients; this one helps debugging and tests.
-                    yield f": splitserve migrated to {worker.url}\n\n".encode()
+                    yield f": splitserve migrated to {worker.url} ({relay.mode})\n\n".encode()
                     async for out in relay.relay(pieces(upstream)):
                         yield out
                 relay.resumed_on(worker.url)
                 return
+            except ReplayDiverged as e:  # the worker is fine; what it replays is not the same
+                log.warning("a replayed stream on %s diverged: %s", worker.url, e)
+                self.metrics.replay_divergences.inc()
+                break
             except (UpstreamError, IncompleteStream, ValueError, WorkerFailed) as e:
                 self.failed(worker, "decode", e)
         yield relay.error_event(relay.failure())
