@@ -38,7 +38,7 @@ from splitserve.router.headers import (  # noqa: F401 (the answer's headers, nam
 from splitserve.router.leg import Leg
 from splitserve.router.membership import Membership
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.migration import TOKEN_IDS_FIELD, StreamLog, StreamRelay
+from splitserve.router.migration import TOKEN_IDS_FIELD, StreamRelay
 from splitserve.router.placement import (
     Decision,
     PlacementRules,
@@ -62,6 +62,7 @@ from splitserve.router.session import (
     prefix_key,
     session_key,
 )
+from splitserve.router.stream_log import StreamLog
 from splitserve.router.timing import Timeline, now
 from splitserve.router.upstream import Pool
 from splitserve.router.vouch import Vouch

@@ -27,10 +27,9 @@ event.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from splitserve.router.migration import ChoiceLog
+from splitserve.router.stream_log import ChoiceLog
 
 
 class ReplayDiverged(Exception):

@@ -17,10 +17,11 @@ from contextlib import asynccontextmanager
 from splitserve.router.forwarding import Forwarding, WorkerFailed
 from splitserve.router.membership import Membership
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.migration import IncompleteStream, StreamLog, error_event
+from splitserve.router.migration import IncompleteStream, error_event
 from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.replay import ReplayDiverged
 from splitserve.router.response import Response, UpstreamError
+from splitserve.router.stream_log import StreamLog
 from splitserve.router.upstream import Pool
 from splitserve.router.vouch import Vouch
 from splitserve.router.worker import Worker
