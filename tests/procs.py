@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
 import ssl
@@ -137,3 +138,25 @@ def env_for_checkout(copy: Path) -> dict[str, str]:
     ``SPLITSERVE_TRACES_DIR``."""
     env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_TRACES_DIR"}
     return {**env, "PYTHONPATH": str(copy / "src")}
+
+
+def read_lines(stream, out: queue.Queue, log: list[str] | None = None) -> None:
+    """Every line of ``stream`` into ``out`` (and ``log``), until it ends: a reader thread's
+    loop over a launcher's stdout."""
+    for line in stream:
+        if log is not None:
+            log.append(line)
+        out.put(line)
+
+
+def wait_serving(launcher: subprocess.Popen, lines: queue.Queue, url: str, timeout: float) -> None:
+    """Until ``splitserve serve`` prints that it serves ``url``/v1 (its lines in ``lines``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert launcher.poll() is None, f"serve exited with code {launcher.returncode}"
+        try:
+            if f"{url}/v1" in lines.get(timeout=1.0):
+                return
+        except queue.Empty:
+            pass
+    raise TimeoutError(f"serve was not ready after {timeout:.0f}s")

@@ -15,12 +15,11 @@ import queue
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import psutil
 import pytest
-from procs import die_with_parent, free_port, metric, stop_group
+from procs import die_with_parent, free_port, metric, read_lines, stop_group, wait_serving
 
 from splitserve.cli import build_parser
 from splitserve.cluster.vllm_worker import find_vllm_python, parse_cpus
@@ -66,31 +65,13 @@ def deployment():
     )
     lines: queue.Queue[str] = queue.Queue()
     log: list[str] = []
-    threading.Thread(target=_read_lines, args=(launcher.stdout, lines, log), daemon=True).start()
+    threading.Thread(target=read_lines, args=(launcher.stdout, lines, log), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_serving(launcher, lines, url, timeout=660)
+        wait_serving(launcher, lines, url, timeout=660)
         yield Deployment(url, launcher, log)
     finally:
         stop_group(launcher, timeout=60)
-
-
-def _read_lines(stream, out: queue.Queue, log: list[str]) -> None:
-    for line in stream:
-        log.append(line)
-        out.put(line)
-
-
-def _wait_serving(launcher: subprocess.Popen, lines: queue.Queue, url: str, timeout: float):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert launcher.poll() is None, f"serve exited with code {launcher.returncode}"
-        try:
-            if f"{url}/v1" in lines.get(timeout=1.0):
-                return
-        except queue.Empty:
-            pass
-    raise TimeoutError(f"serve was not ready after {timeout:.0f}s")
 
 
 def _client(url: str):

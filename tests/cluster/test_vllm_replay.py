@@ -21,7 +21,7 @@ import time
 import httpx
 import psutil
 import pytest
-from procs import die_with_parent, free_port, metric, stop_group
+from procs import die_with_parent, free_port, metric, read_lines, stop_group, wait_serving
 
 from splitserve.cluster.vllm_worker import find_vllm_python
 
@@ -76,30 +76,13 @@ def deployment():
         preexec_fn=die_with_parent,
     )
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_read_lines, args=(launcher.stdout, lines), daemon=True).start()
+    threading.Thread(target=read_lines, args=(launcher.stdout, lines), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_serving(launcher, lines, url, timeout=660)
+        wait_serving(launcher, lines, url, timeout=660)
         yield url
     finally:
         stop_group(launcher, timeout=60)
-
-
-def _read_lines(stream, out: queue.Queue) -> None:
-    for line in stream:
-        out.put(line)
-
-
-def _wait_serving(launcher: subprocess.Popen, lines: queue.Queue, url: str, timeout: float):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert launcher.poll() is None, f"serve exited with code {launcher.returncode}"
-        try:
-            if f"{url}/v1" in lines.get(timeout=1.0):
-                return
-        except queue.Empty:
-            pass
-    raise TimeoutError(f"serve was not ready after {timeout:.0f}s")
 
 
 class Stream(threading.Thread):
