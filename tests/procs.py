@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from splitserve.cluster.local import die_with_parent, free_port
 from splitserve.common.tenants import DEFAULT_TENANT, TENANT_HEADER, sign
@@ -160,3 +161,14 @@ def wait_serving(launcher: subprocess.Popen, lines: queue.Queue, url: str, timeo
         except queue.Empty:
             pass
     raise TimeoutError(f"serve was not ready after {timeout:.0f}s")
+
+
+def kill_vllm_serving(worker_url: str) -> int:
+    """SIGKILL the process group of the vLLM server listening on ``worker_url``'s port."""
+    port = int(worker_url.rsplit(":", 1)[1])
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            pgid = os.getpgid(conn.pid)
+            os.killpg(pgid, signal.SIGKILL)
+            return pgid
+    raise AssertionError(f"nothing listens on {worker_url}")

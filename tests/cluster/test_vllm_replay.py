@@ -10,18 +10,23 @@ more to start here). Skipped when ``.venv-vllm`` is absent (``make install-vllm`
 from __future__ import annotations
 
 import json
-import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
 import time
 
 import httpx
-import psutil
 import pytest
-from procs import die_with_parent, free_port, metric, read_lines, stop_group, wait_serving
+from procs import (
+    die_with_parent,
+    free_port,
+    kill_vllm_serving,
+    metric,
+    read_lines,
+    stop_group,
+    wait_serving,
+)
 
 from splitserve.cluster.vllm_worker import find_vllm_python
 
@@ -181,7 +186,7 @@ def test_a_killed_vllm_worker_mid_stream_replays_tools_grammars_seeds_logprobs_a
         assert time.monotonic() < deadline and all(a for a, _ in alive.values()), alive
         time.sleep(0.005)
     [worker] = {s.worker for s in killed.values()}
-    _kill_vllm_serving(worker)
+    kill_vllm_serving(worker)
     cut = {name: s.tokens for name, s in killed.items()}
     for s in killed.values():
         s.join(timeout=300)
@@ -191,14 +196,3 @@ def test_a_killed_vllm_worker_mid_stream_replays_tools_grammars_seeds_logprobs_a
         _check_same(_reply(s), _reply(undisturbed[name]), name)
     assert metric(url, "splitserve:router_migrations_total") == len(STREAMS)
     assert metric(url, "splitserve:router_replay_divergences_total") == 0
-
-
-def _kill_vllm_serving(worker_url: str) -> int:
-    """SIGKILL the process group of the vLLM server listening on ``worker_url``'s port."""
-    port = int(worker_url.rsplit(":", 1)[1])
-    for conn in psutil.net_connections("tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
-            pgid = os.getpgid(conn.pid)
-            os.killpg(pgid, signal.SIGKILL)
-            return pgid
-    raise AssertionError(f"nothing listens on {worker_url}")

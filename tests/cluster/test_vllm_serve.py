@@ -11,16 +11,21 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
 import time
 
 import httpx
-import psutil
 import pytest
-from procs import die_with_parent, free_port, read_lines, stop_group, wait_serving
+from procs import (
+    die_with_parent,
+    free_port,
+    kill_vllm_serving,
+    read_lines,
+    stop_group,
+    wait_serving,
+)
 
 from splitserve.cluster.vllm_worker import find_vllm_python
 from splitserve.common.responses_api import chain_of
@@ -325,7 +330,7 @@ def test_a_killed_vllm_worker_mid_stream_keeps_the_greedy_text(deployment):
             chunk = httpx.Response(200, content=line[6:]).json()
             text += [c["delta"].get("content") or "" for c in chunk["choices"]]
             if killed is None and len(text) >= 12 and len(completion) >= 12:
-                killed, cut = _kill_vllm_serving(worker), len(completion)
+                killed, cut = kill_vllm_serving(worker), len(completion)
     reader.join(timeout=120)
     assert killed is not None and not reader.is_alive()
     assert cut < COMPLETION["max_tokens"]  # the completion was cut mid-way too
@@ -378,14 +383,3 @@ def _check_same_logprobs(got: list[dict], want: list[dict]) -> None:
     for top_g, top_w in zip(g["top_logprobs"], w["top_logprobs"], strict=True):
         assert top_g.keys() == top_w.keys()
         assert list(top_g.values()) == pytest.approx(list(top_w.values()), abs=1e-3)
-
-
-def _kill_vllm_serving(worker_url: str) -> int:
-    """SIGKILL the process group of the vLLM server listening on ``worker_url``'s port."""
-    port = int(worker_url.rsplit(":", 1)[1])
-    for conn in psutil.net_connections("tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
-            pgid = os.getpgid(conn.pid)
-            os.killpg(pgid, signal.SIGKILL)
-            return pgid
-    raise AssertionError(f"nothing listens on {worker_url}")
