@@ -182,7 +182,6 @@ class Proxy:
             self.metrics.kv_peer_hints.inc()
             added[PEER_FIELD] = decision.peer.url
         stream = body.get("stream") is True
-        mode = resume_mode(body, self.config.worker_engine) if stream else None
         if stream and responses:  # relayed for its error event even where not resumable
             refusal = unresumable_reason(body, self.config.worker_engine)
             moved = lambda url: self.homes.moved(chain, url)  # noqa: E731
@@ -190,7 +189,7 @@ class Proxy:
             forwarding.headers, forwarding.excluded = headers, excluded
             if refusal is None:
                 added.update(TOKEN_IDS_FIELD)
-        elif mode is not None:
+        elif stream and (mode := resume_mode(body, self.config.worker_engine)) is not None:
             log = StreamLog.of(body, chat=path.endswith("/chat/completions"))
             forwarding.relay = StreamRelay(log, body, mode)
             forwarding.headers, forwarding.excluded = headers, excluded
