@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.models import panel_linear
 from splitserve.models.attention import AttentionContext, paged_attention, write_kv
 from splitserve.models.config import ModelConfig
 
@@ -95,15 +96,20 @@ class Linear(nn.Module):
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` ``[out, in]`` reordered once into oneDNN's blocked layout, or ``None`` where
-    torch has no oneDNN, the weight is not on CPU, or oneDNN cannot compute bfloat16 on this
-    CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; torch's own kernels do it elsewhere).
+    """``weight`` ``[out, in]`` packed once for ``packed_linear``: float32 into the panels of
+    ``models.panel_linear`` where its C++ kernel is built, else into oneDNN's blocked layout;
+    ``None`` where torch has no oneDNN, the weight is not on CPU, or oneDNN cannot compute
+    bfloat16 on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; torch's own kernels do
+    it elsewhere).
 
     A plain ``F.linear`` on CPU reorders the weight for oneDNN (bfloat16) or runs MKL on the
-    plain layout (float32) on every call; the blocked copy runs the same products 1.3-2x faster
+    plain layout (float32) on every call; a packed copy runs the same products 1.3-2x faster
     for the few-row steps of decoding, with identical results for a row alone or in a batch
     (``benchmarks/decode_kernels.py``; docs/engine.md).
     """
+    panels = panel_linear.pack(weight)
+    if panels is not None:
+        return panels
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
     if weight.dtype not in (torch.float32, torch.bfloat16):
@@ -131,6 +137,8 @@ def packed_linear(
     """``x @ W^T (+ bias)`` for ``x`` ``[rows, in]`` and a ``packed_weight``, on torch's
     threads (oneDNN spreads even one row over them). A bfloat16 product runs in pieces of at
     most ``BATCH_INVARIANT_ROWS`` rows, so that each row's result is the one it gets alone."""
+    if packed.dim() == 3:
+        return panel_linear.linear(x, packed, bias)
     if x.dtype == torch.bfloat16 and x.shape[0] > BATCH_INVARIANT_ROWS:
         pieces = x.split(BATCH_INVARIANT_ROWS)
         return torch.cat(

@@ -30,11 +30,11 @@ CACHE_ENV = "SPLITSERVE_KERNEL_CACHE"
 SWITCH_ENV = "SPLITSERVE_NATIVE"
 OFF_ENV = "SPLITSERVE_NATIVE_OFF"
 CSRC = Path(__file__).parent / "csrc"
-_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++20")
+_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++20", "-fopenmp")
 # The builds, best first: a name (its -DSPLITSERVE_<NAME> selects csrc/vec16.h's lanes) and
 # the CPU flags it needs (/proc/cpuinfo names).
 VARIANTS = (("avx512", ("avx512f",)), ("avx2", ("avx2", "fma")))
-KERNELS = ("paged_decode",)  # the sources under csrc/
+KERNELS = ("paged_decode", "panel_linear")  # the sources under csrc/
 
 
 def cache_dir() -> Path:
