@@ -5,7 +5,8 @@ Variants (same process, same weights, same sequences):
 
 - ``plain``: weight products on the plain weights (``F.linear``), decode attention by
   gather + SDPA (the torch path), prefill attention by SDPA (float32 for a bfloat16 model);
-- ``packed``: weight products on the oneDNN-blocked weights (``models.llama.packed_weight``);
+- ``packed``: weight products on the packed weights (``models.llama.packed_weight``: a float32
+  model's on the C++ panels of ``models.panel_linear`` where built, others oneDNN-blocked);
 - ``packed+paged-numba``: and decode attention in place over the paged cache by the numba
   kernel (``models.paged_decode``);
 - ``packed+paged``: decode attention, and a bfloat16 model's prefill attention, by the C++
@@ -20,8 +21,14 @@ model's shape (``--seqs`` sequences of ``--context`` cached tokens, random K/V):
 the C++ kernel (its AVX-512 or AVX2 build, ``models/native.py``), alternating, the minimum of 15
 calls per round.
 
+``--products`` times the float32 weight products alone, on the bundled model's shapes
+(one layer's four, and the output projection): MKL on the plain weight (``F.linear``), oneDNN
+on its blocked copy, and the C++ panels, at 1 to 1,024 rows, alternating, the minimum of a
+few calls per round.
+
     python benchmarks/decode_kernels.py [--seqs 16] [--context 256] [--dtype bfloat16] [--threads 1]
     python benchmarks/decode_kernels.py --layer --seqs 64 --context 296 --dtype float32
+    python benchmarks/decode_kernels.py --products --threads 2
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layer", action="store_true", help="time the attention kernels alone")
+    p.add_argument("--products", action="store_true", help="time the float32 products alone")
     return p.parse_args()
 
 
@@ -144,11 +152,63 @@ def one_layer(args: argparse.Namespace) -> None:
         print(f"{name:6s} {ms * 1e3:6.2f} ms a layer {base / ms:.2f}x numba (rounds: {rounds})")
 
 
+# The bundled model's products: (name, out, in); the output projection only for few rows.
+PRODUCTS = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536))
+LM_HEAD = ("lm_head", 49152, 576)
+
+
+def products(args: argparse.Namespace) -> None:
+    """MKL, oneDNN-blocked and the C++ panels on each float32 product shape, alternating."""
+    from splitserve.models import panel_linear
+
+    torch.set_num_threads(args.threads)
+    off = native.load("panel_linear")
+    print(f"CPU: {cpu_description()}")
+    print(f"float32, {args.threads} thread(s); C++ panels: {'built' if off is None else off}")
+    gen = torch.Generator().manual_seed(args.seed)
+    for rows in (1, 4, 16, 64, 256, 1024):
+        shapes = [*PRODUCTS, LM_HEAD] if rows <= 64 else list(PRODUCTS)
+        layer: dict[str, float] = {}
+        for name, out, width in shapes:
+            w = torch.randn(out, width, generator=gen) * 0.05
+            x = torch.randn(rows, width, generator=gen)
+            onednn = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+            pointwise = torch.ops.mkldnn._linear_pointwise
+            ways = {
+                "mkl": (torch.nn.functional.linear, (x, w)),
+                "onednn": (pointwise, (x, onednn, None, "none", [], "")),
+            }
+            if off is None:
+                ways["panels"] = (panel_linear.linear, (x, panel_linear.pack(w)))
+            calls = max(3, int(4e8 / (2 * rows * out * width)))
+            best: dict[str, list[float]] = {k: [] for k in ways}
+            for _ in range(args.rounds + 1):  # the first round warms up
+                for k, (f, f_args) in ways.items():
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        f(*f_args)
+                    best[k].append((time.perf_counter() - start) / calls)
+            flops = 2 * rows * out * width
+            cells = []
+            for k in ways:
+                t = min(best[k][1:])
+                if name != "lm_head":
+                    layer[k] = layer.get(k, 0.0) + t
+                cells.append(f"{k} {t * 1e3:7.3f} ms {flops / t / 1e9:5.0f} GF/s")
+            print(f"{rows:5d} rows {name:8s} " + " | ".join(cells))
+        ratio = f", panels {layer['onednn'] / layer['panels']:.2f}x oneDNN" if off is None else ""
+        sums = ", ".join(f"{k} {t * 1e3:.2f} ms" for k, t in layer.items())
+        print(f"{rows:5d} rows, one layer's four products: {sums}{ratio}")
+
+
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
     if args.layer:
         one_layer(args)
+        return
+    if args.products:
+        products(args)
         return
     llm = LLM(dtype=args.dtype, threads=args.threads, fused_decode=False)
     rng = random.Random(args.seed)

@@ -7,6 +7,9 @@ Every deployment runs alone on the machine, one after the other, through the sam
 - ``vllm-single``: vLLM (``.venv-vllm``, ``make install-vllm``) with its own defaults, one
   engine thread with the other cores left to its API server;
 - ``vllm-single-all``: the same vLLM bound to every core;
+- ``vllm-single-all-fp32``: that, with ``--dtype float32``: on a CPU without native bfloat16
+  (no AMX, no AVX-512 BF16) vLLM's default bfloat16 falls back from oneDNN and a user there
+  runs float32, as ``--dtype auto`` does here; listed by default only on such a CPU;
 - ``llamacpp-single``: llama.cpp's server (``.venv-llamacpp``, ``make install-llamacpp``)
   on the same GGUF, every core.
 
@@ -31,8 +34,13 @@ from pathlib import Path
 
 from router_peer import cpu_description
 
+from splitserve.models.loader import cpu_has_native_bf16
+
 OURS = "builtin-single"
 PEERS = ("vllm-single", "vllm-single-all", "llamacpp-single")
+FP32_PEER = "vllm-single-all-fp32"
+# A peer that is another deployment with more `splitserve serve` arguments.
+VARIANTS = {FP32_PEER: ("vllm-single-all", ["--serve-arg=--dtype", "--serve-arg=float32"])}
 RANDOM = ["--workload", "random", "--input-len", "256", "--output-len", "64"]
 RANDOM_SLO = ["--slo", "ttft:2000,tpot:250"]
 AGENTIC = [
@@ -105,8 +113,9 @@ def unavailable(deployment: str) -> str | None:
 def run_one(args, deployment: str, workload: Workload, index: int, out: Path) -> dict | None:
     """One ``bench compare`` run of ``deployment`` alone; its summary, or None (reported)."""
     path = out / f"{deployment}-w{index}.json"
+    base, extra = VARIANTS.get(deployment, (deployment, []))
     argv = [sys.executable, "-m", "splitserve.cli", "bench", "compare"]
-    argv += ["--deployments", deployment, "--cores", str(args.cores), *workload.args]
+    argv += ["--deployments", base, *extra, "--cores", str(args.cores), *workload.args]
     argv += ["--duration", str(args.duration), "--drain", str(args.drain)]
     argv += ["--seed", str(args.seed), "--json", str(path), "--no-progress"]
     print(f"== {deployment}, {workload.name}: {' '.join(argv[3:])}", flush=True)
@@ -137,7 +146,11 @@ def _fmt(value: float | None) -> str:
 
 def main() -> int:
     args = parse_args()
-    deployments = args.only.split(",") if args.only else [OURS, *PEERS]
+    if args.only:
+        deployments = args.only.split(",")
+    else:
+        fp32 = [] if cpu_has_native_bf16() else [FP32_PEER]
+        deployments = [OURS, *PEERS[:2], *fp32, *PEERS[2:]]
     picked = [int(i) for i in args.workloads.split(",")] if args.workloads else None
     workloads = [(i, w) for i, w in enumerate(WORKLOADS) if picked is None or i in picked]
     out = Path(args.out)

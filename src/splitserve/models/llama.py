@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.models import panel_linear
+from splitserve.models import fused_ops, panel_linear
 from splitserve.models.attention import AttentionContext, paged_attention, write_kv
 from splitserve.models.config import ModelConfig
 
@@ -154,7 +154,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ops.fits(x):
+            return fused_ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_forward_(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``x += delta`` (in place where fused), then this norm of ``x``."""
+        if fused_ops.fits(x) and x.is_contiguous():
+            return fused_ops.add_rms_norm_(x, delta, self.weight, self.eps)
+        x += delta
+        return self(x)
 
 
 class Rotary(nn.Module):
@@ -222,12 +231,20 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        # RoPE on q and k together: one set of elementwise ops instead of two.
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1)
-        qk = apply_rope(qk, cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        write_kv(self.k_cache, self.v_cache, k, v, ctx.slot_mapping)
+        if fused_ops.rope_fits(qkv, self.k_cache):
+            fused_ops.rope_write_kv_(
+                qkv, cos, sin, self.k_cache, self.v_cache, ctx.slot_mapping,
+                self.num_heads, self.num_kv_heads,
+            )  # fmt: skip
+            q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
+        else:
+            # RoPE on q and k together: one set of elementwise ops instead of two.
+            rotated = self.num_heads + self.num_kv_heads
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, rotated, -1), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            write_kv(self.k_cache, self.v_cache, k, v, ctx.slot_mapping)
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -256,8 +273,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x is this forward's own (the embedding or the previous layer's sum): added to in place.
+        h = self.post_attention_layernorm.add_forward_(
+            x, self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        )
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,85 @@
+"""The fused elementwise ops (``csrc/fused_ops.cpp``) against the torch ops they replace, and
+their rows' independence of the batch and the thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitserve.models import fused_ops, native
+from splitserve.models.attention import write_kv
+from splitserve.models.llama import apply_rope
+
+pytestmark = pytest.mark.skipif(
+    native.load("fused_ops") is not None, reason=str(native.load("fused_ops"))
+)
+
+
+def rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("hidden", [576, 40])  # 40: a last vector of 8 columns
+def test_rms_norm_matches_torch(hidden):
+    x, w = rand(7, hidden, seed=1), rand(hidden, seed=2)
+    got = fused_ops.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(got, F.rms_norm(x, (hidden,), w, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+def test_add_rms_norm_adds_in_place_and_normalises_the_sum():
+    x, d, w = rand(5, 576, seed=3), rand(5, 576, seed=4), rand(576, seed=5)
+    expected_sum = x + d
+    y = fused_ops.add_rms_norm_(x, d, w, 1e-6)
+    assert torch.equal(x, expected_sum)
+    torch.testing.assert_close(y, F.rms_norm(expected_sum, (576,), w, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_gets_its_norm_alone_in_any_batch_at_any_thread_count():
+    x, w = rand(200, 576, seed=6), rand(576, seed=7)
+    alone = torch.cat([fused_ops.rms_norm(x[i : i + 1], w, 1e-5) for i in range(200)])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(fused_ops.rms_norm(x, w, 1e-5), alone), threads
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rope_and_kv_write_match_apply_rope_and_write_kv():
+    heads, kv_heads, hd, tokens, blocks, block = 9, 3, 64, 6, 4, 4
+    qkv = rand(tokens, (heads + 2 * kv_heads) * hd, seed=8)
+    angles = rand(tokens, 1, hd, seed=9)
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.tensor([13, 2, 7, 0, 15, 8])
+    caches = [torch.zeros(blocks, block, kv_heads, hd) for _ in range(4)]
+
+    # The torch path.
+    qk = qkv[:, : (heads + kv_heads) * hd].view(tokens, heads + kv_heads, hd)
+    roped = apply_rope(qk, cos, sin)
+    v = qkv[:, (heads + kv_heads) * hd :].view(tokens, kv_heads, hd)
+    write_kv(caches[0], caches[1], roped[:, heads:], v, slots)
+
+    fused = qkv.clone()
+    fused_ops.rope_write_kv_(fused, cos, sin, caches[2], caches[3], slots, heads, kv_heads)
+    q = fused[:, : heads * hd].view(tokens, heads, hd)
+    torch.testing.assert_close(q, roped[:, :heads], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(caches[2], caches[0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(caches[3], caches[1])  # v is copied as it is
+    assert torch.equal(fused[:, (heads + kv_heads) * hd :], qkv[:, (heads + kv_heads) * hd :])
+
+
+def test_bad_input_is_refused():
+    w = torch.ones(8)
+    with pytest.raises(RuntimeError, match="x: contiguous float32"):
+        fused_ops.rms_norm(torch.ones(2, 8).double(), w, 1e-5)
+    with pytest.raises(RuntimeError, match="weight"):
+        fused_ops.rms_norm(torch.ones(2, 8), torch.ones(9), 1e-5)
+    cache = torch.zeros(2, 4, 1, 32)
+    qkv = torch.zeros(3, 3 * 32)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        fused_ops.rope_write_kv_(
+            qkv, torch.ones(3, 1, 32), torch.ones(3, 1, 32), cache, cache.clone(),
+            torch.tensor([0, 1, 8]), 1, 1,
+        )  # fmt: skip
