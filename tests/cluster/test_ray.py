@@ -107,6 +107,16 @@ class Deployment:
         raise TimeoutError(f"not reached in {timeout:.0f}s: {self.procs()}")
 
 
+def _describe(proc: psutil.Process, listed: list[dict]) -> str:
+    """A leftover process as the deployment listed it, with what the OS says of it."""
+    entry = next((p for p in listed if p["pid"] == proc.pid), {})
+    try:
+        started = time.strftime("%H:%M:%S", time.localtime(proc.create_time()))
+        return f"{entry} ppid {proc.ppid()} started {started}: {' '.join(proc.cmdline())[:300]}"
+    except psutil.Error as e:
+        return f"{entry}: {e}"
+
+
 def all_ready(count: int, restarted: dict | None = None):
     """All ``count`` processes ready (and ``restarted``'s slot started again since)."""
 
@@ -155,12 +165,13 @@ def serve(cluster: RayCluster, args: list[str], routers: int = 1):
         name = args[args.index("--ray-name") + 1] if "--ray-name" in args else "splitserve"
         deployment = Deployment(cluster, launcher, urls, name, verify)
         yield deployment
-        pids = [p["pid"] for p in deployment.procs()]
+        listed = deployment.procs()
+        pids = [p["pid"] for p in listed]
         deployment.stop_watch()
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=120) == 0
         gone, alive = psutil.wait_procs([_proc(p) for p in pids if _proc(p)], timeout=30)
-        assert not alive, f"left behind: {alive}"
+        assert not alive, f"left behind: {[_describe(p, listed) for p in alive]}"
     finally:
         if deployment is not None:
             deployment.stop_watch()
