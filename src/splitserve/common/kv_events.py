@@ -299,13 +299,17 @@ async def fetch_replay(
         socket.close(linger=0)
 
 
-def subscribe(context: zmq.Context, endpoint: str, topic: str = "") -> zmq.Socket:
+def subscribe(
+    context: zmq.Context, endpoint: str, topic: str = "", connect: bool = True
+) -> zmq.Socket:
     """A SUB socket connected to a publisher's ``endpoint`` (``tcp://HOST:PORT``) for
     ``topic`` (a prefix; "" is everything); a ``zmq.asyncio.Context`` makes an async one.
-    ZMQ reconnects by itself, so the publisher may start later or restart."""
+    ZMQ reconnects by itself, so the publisher may start later or restart. ``connect=False``
+    leaves the connect to the caller (a monitor attached after it can miss the handshake)."""
     socket = context.socket(zmq.SUB)
     socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
-    socket.connect(endpoint)
+    if connect:
+        socket.connect(endpoint)
     return socket
 
 

@@ -290,8 +290,10 @@ class KVEventSubscriber:
 
     def _subscribe(self, url: str, spec: str) -> None:
         endpoint, replay = parse_source(spec)
-        socket = subscribe(self._context, endpoint, self.topic)
+        socket = subscribe(self._context, endpoint, self.topic, connect=False)
+        # The monitor before the connect: a handshake done first would never be reported.
         monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        socket.connect(endpoint)
         self._tasks[url] = [
             asyncio.create_task(self._receive(url, socket, replay)),
             asyncio.create_task(self._watch(url, monitor)),
