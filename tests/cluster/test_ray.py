@@ -166,7 +166,7 @@ def serve(cluster: RayCluster, args: list[str], routers: int = 1):
         deployment = Deployment(cluster, launcher, urls, name, verify)
         yield deployment
         listed = deployment.procs()
-        pids = [p["pid"] for p in listed]
+        pids = [p["pid"] for p in listed if p["pid"] is not None]  # a slot still starting has none
         deployment.stop_watch()
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=120) == 0
@@ -187,6 +187,8 @@ def deployment(cluster, tmp_path_factory):
 
 
 def _proc(pid: int) -> psutil.Process | None:
+    """The running process ``pid``, or None. (``psutil.Process(None)`` would be this one.)"""
+    assert pid is not None
     try:
         return psutil.Process(pid)
     except psutil.NoSuchProcess:
