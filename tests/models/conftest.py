@@ -37,17 +37,18 @@ def hf_model_factory():
     return make_hf_model
 
 
-def make_hf_model(variant: str, seed: int = 0):
-    """A random transformers model of ``variant``, in float32 eval mode. Norm weights and
-    biases are randomised too (HF initialises them to 1 and 0, which would hide bugs)."""
+def make_hf_model(variant: str, seed: int = 0, **overrides):
+    """A random transformers model of ``variant`` (config fields in ``overrides`` replaced), in
+    float32 eval mode. Norm weights and biases are randomised too (HF initialises them to 1
+    and 0, which would hide bugs)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     kind, extra = VARIANTS[variant]
     torch.manual_seed(seed)
     if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**BASE, **extra))
+        model = LlamaForCausalLM(LlamaConfig(**{**BASE, **extra, **overrides}))
     else:
-        model = Qwen2ForCausalLM(Qwen2Config(**BASE, **extra))
+        model = Qwen2ForCausalLM(Qwen2Config(**{**BASE, **extra, **overrides}))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

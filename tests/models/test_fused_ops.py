@@ -70,6 +70,18 @@ def test_rope_and_kv_write_match_apply_rope_and_write_kv():
     assert torch.equal(fused[:, (heads + kv_heads) * hd :], qkv[:, (heads + kv_heads) * hd :])
 
 
+@pytest.mark.parametrize("width", [1536, 40])  # 40: a last vector of 8 columns
+def test_silu_mul_matches_torch_over_the_whole_range(width):
+    gate_up = rand(9, 2 * width, seed=10) * 12  # SiLU's tails on both sides, and near zero
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 100.0, -100.0])
+    gate, up = gate_up.split(width, dim=-1)
+    expected = F.silu(gate) * up
+    got = fused_ops.silu_mul(gate_up)
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-7)
+    alone = torch.cat([fused_ops.silu_mul(gate_up[i : i + 1]) for i in range(9)])
+    assert torch.equal(got, alone)
+
+
 def test_bad_input_is_refused():
     w = torch.ones(8)
     with pytest.raises(RuntimeError, match="x: contiguous float32"):
@@ -83,3 +95,5 @@ def test_bad_input_is_refused():
             qkv, torch.ones(3, 1, 32), torch.ones(3, 1, 32), cache, cache.clone(),
             torch.tensor([0, 1, 8]), 1, 1,
         )  # fmt: skip
+    with pytest.raises(RuntimeError, match="gate_up"):
+        fused_ops.silu_mul(torch.ones(2, 7))

@@ -25,6 +25,7 @@ from splitserve.models.loader import LoadedModel
 
 if TYPE_CHECKING:
     from splitserve.engine.grammar import GrammarMasks, PendingMasks
+    from splitserve.models.decode_step import DecodeStep
     from splitserve.models.fused_decode import FusedDecoder
 
 # Steps of fewer tokens than this run on one intra-op thread on plain weights (their weight
@@ -113,7 +114,7 @@ class ModelRunner:
         self.packed = self.model.lm_head_packed is not None  # see models.llama.packed_weight
         self.paged_decode = paged_decode and self._paged_decode_available()
         self.inputs = StepInputs(block_size, self.num_blocks, max_num_seqs, self.device)
-        self.fused: FusedDecoder | None = None
+        self.fused: DecodeStep | FusedDecoder | None = None
         self.core_share = CoreShare()  # the fused path's threads: those others leave free
         self.use_fused_decode(fused_decode)
         # Per-request sampling state, for the requests that need some (add_request).
@@ -171,7 +172,13 @@ class ModelRunner:
             self.fused = self._make_fused()
         return self.fused is not None
 
-    def _make_fused(self) -> FusedDecoder | None:
+    def _make_fused(self) -> DecodeStep | FusedDecoder | None:
+        from splitserve.models import decode_step
+
+        native = decode_step.unavailable_reason(self.model)
+        if native is None:
+            return decode_step.DecodeStep(self.model)
+        logger.info("decode steps in one C++ call are off: %s", native)
         from splitserve.models import fused_decode  # imports numba: only when asked for
 
         reason = fused_decode.unavailable_reason(self.model, self.device)

@@ -54,3 +54,9 @@ def rope_write_kv_(
     torch.ops.splitserve.rope_write_kv_(
         qkv, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots, heads, kv_heads
     )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 n]`` (the gate's ``n`` columns first):
+    the MLP's activation in one pass, ``[rows, n]``."""
+    return torch.ops.splitserve.silu_mul(gate_up.contiguous())

@@ -257,7 +257,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused_ops.fits(gate_up):
+            return self.down_proj(fused_ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # In place: both halves are views of a fresh tensor nothing else holds.
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 

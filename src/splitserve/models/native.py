@@ -34,7 +34,7 @@ _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++20", "-fopenmp")
 # The builds, best first: a name (its -DSPLITSERVE_<NAME> selects csrc/vec16.h's lanes) and
 # the CPU flags it needs (/proc/cpuinfo names).
 VARIANTS = (("avx512", ("avx512f",)), ("avx2", ("avx2", "fma")))
-KERNELS = ("paged_decode", "panel_linear", "fused_ops")  # the sources under csrc/
+KERNELS = ("paged_decode", "panel_linear", "fused_ops", "decode_step")  # the sources under csrc/
 
 
 def cache_dir() -> Path:

@@ -1,32 +1,19 @@
-// A decoder layer's elementwise steps, one pass each over the rows (see models/fused_ops.py),
-// float32:
-//
-//   rms_norm:        y = (x * 1/sqrt(mean(x^2) + eps)) * w
-//   add_rms_norm_:   x += d in place, then y = rms_norm(x)
-//   rope_write_kv_:  RoPE on the q and k heads of a qkv row in place (x * cos + swap(x) * sin,
-//                    the sign of rotate_half folded into sin), then k and v into their slots
-//                    of the paged caches
-//
-// A row's sum of squares runs in 16-float vectors over its columns in order, then one fixed
-// lane-sum tree: its result depends on the row alone, never on the batch or the threads. Rows
-// go over torch's intra-op threads only when there are many of them (a decode step's few rows
-// cost less than waking a thread).
+// The torch ops over rows.h (models/fused_ops.py), float32. Rows go over torch's intra-op
+// threads only when there are many of them (a decode step's few rows cost less than waking
+// a thread).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <cstdint>
 
-#include "vec16.h"
+#include "rows.h"
 
 namespace {
 
-using namespace vec16;
-
-constexpr int64_t kLanes = 16;
 constexpr int64_t kGrainRows = 64;  // rows per thread before a second thread joins
 
 void check_rows(const at::Tensor& x, const at::Tensor& w) {
@@ -37,20 +24,6 @@ void check_rows(const at::Tensor& x, const at::Tensor& w) {
               "weight: contiguous float32 [hidden]");
 }
 
-// y = rms_norm(x) for one row of n floats.
-void norm_row(const float* x, const float* w, int64_t n, float eps, float* y) {
-  Vec acc = zero();
-  for (int64_t c = 0; c < n; c += kLanes) {
-    const Vec v = load_first(first_lanes(n - c), x + c);
-    acc = fmadd(v, v, acc);
-  }
-  const Vec inv = set1(1.0f / std::sqrt(reduce_add(acc) / static_cast<float>(n) + eps));
-  for (int64_t c = 0; c < n; c += kLanes) {
-    const Mask m = first_lanes(n - c);
-    store_first(y + c, m, mul(mul(load_first(m, x + c), inv), load_first(m, w + c)));
-  }
-}
-
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_rows(x, w);
   at::Tensor y = at::empty_like(x);
@@ -58,7 +31,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, x.size(0), kGrainRows, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * n, wp, n, static_cast<float>(eps), yp + r * n);
+    for (int64_t r = begin; r < end; ++r)
+      rows::norm_row(xp + r * n, wp, n, static_cast<float>(eps), yp + r * n);
   });
   return y;
 }
@@ -73,14 +47,8 @@ at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& d, const at::Tensor& w
   const float *dp = d.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, x.size(0), kGrainRows, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = xp + r * n;
-      for (int64_t c = 0; c < n; c += kLanes) {
-        const Mask m = first_lanes(n - c);
-        store_first(row + c, m, add(load_first(m, row + c), load_first(m, dp + r * n + c)));
-      }
-      norm_row(row, wp, n, static_cast<float>(eps), yp + r * n);
-    }
+    for (int64_t r = begin; r < end; ++r)
+      rows::add_norm_row(xp + r * n, dp + r * n, wp, n, static_cast<float>(eps), yp + r * n);
   });
   return y;
 }
@@ -97,8 +65,8 @@ void rope_write_kv_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
                   k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat && k_cache.size(2) == kv_heads,
               "caches: two contiguous float32 [blocks, block_size, kv_heads, head_dim]");
-  const int64_t hd = k_cache.size(3), half = hd / 2;
-  TORCH_CHECK(hd % (2 * kLanes) == 0 && qkv.size(1) == (heads + 2 * kv_heads) * hd,
+  const int64_t hd = k_cache.size(3);
+  TORCH_CHECK(hd % (2 * rows::kLanes) == 0 && qkv.size(1) == (heads + 2 * kv_heads) * hd,
               "qkv: (heads + 2 kv_heads) * head_dim columns, head_dim a multiple of 32");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * hd &&
@@ -106,7 +74,7 @@ void rope_write_kv_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
               "cos, sin: contiguous float32 [tokens, 1, head_dim]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
               "slots: contiguous int64 [tokens]");
-  const int64_t capacity = k_cache.size(0) * k_cache.size(1), row = kv_heads * hd;
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "slot ", sp[t], " outside the cache");
@@ -115,24 +83,24 @@ void rope_write_kv_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
   float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
   const int64_t width = qkv.size(1);
   at::parallel_for(0, T, kGrainRows, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* r = qp + t * width;
-      const float *c = cp + t * hd, *s = snp + t * hd;
-      for (int64_t head = 0; head < heads + kv_heads; ++head) {
-        float* x = r + head * hd;
-        for (int64_t i = 0; i < half; i += kLanes) {
-          const Vec lo = loadu(x + i), hi = loadu(x + half + i);
-          storeu(x + i, add(mul(lo, loadu(c + i)), mul(hi, loadu(s + i))));
-          storeu(x + half + i, add(mul(hi, loadu(c + half + i)), mul(lo, loadu(s + half + i))));
-        }
-      }
-      const float* k = r + heads * hd;
-      for (int64_t i = 0; i < row; i += kLanes) {
-        storeu(kc + sp[t] * row + i, loadu(k + i));
-        storeu(vc + sp[t] * row + i, loadu(k + row + i));
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      rows::rope_row(qp + t * width, cp + t * hd, snp + t * hd, heads, kv_heads, hd, kc, vc, sp[t]);
   });
+}
+
+// gate_up [T, 2 n] (gate, then up): y [T, n] = silu(gate) * up.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 &&
+                  gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up: contiguous float32 [rows, 2 n]");
+  const int64_t T = gate_up.size(0), n = gate_up.size(1) / 2;
+  at::Tensor y = at::empty({T, n}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rows::silu_mul_row(gp + t * 2 * n, gp + t * 2 * n + n, n, yp + t * n);
+  });
+  return y;
 }
 
 }  // namespace
@@ -142,10 +110,12 @@ TORCH_LIBRARY_FRAGMENT(splitserve, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("rope_write_kv_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor slots, int heads, int kv_heads) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_write_kv_", &rope_write_kv_);
+  m.impl("silu_mul", &silu_mul);
 }

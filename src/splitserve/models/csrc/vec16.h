@@ -34,6 +34,11 @@ inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }   // a * b + c
 inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+// a where x >= 0, b elsewhere (and where x is NaN).
+inline Vec select_nonnegative(Vec x, Vec a, Vec b) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), b, a);
+}
 
 inline Mask first_lanes(int64_t count) {
   return count >= 16 ? (Mask)0xFFFF : (Mask)((1u << count) - 1);
@@ -113,6 +118,12 @@ inline Vec fmadd(Vec a, Vec b, Vec c) {
 }
 inline Vec fnmadd(Vec a, Vec b, Vec c) {
   return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline Vec div(Vec a, Vec b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline Vec select_nonnegative(Vec x, Vec a, Vec b) {
+  const __m256 z = _mm256_setzero_ps();
+  return {_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(x.lo, z, _CMP_GE_OQ)),
+          _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(x.hi, z, _CMP_GE_OQ))};
 }
 
 inline Mask first_lanes(int64_t count) {

@@ -1,0 +1,77 @@
+// y = x W^T (+ bias) for float32 on a weight packed once into column panels (see
+// models/panel_linear.py): panel p holds output columns [16p, 16p + 16) as K rows of 16
+// floats, zero-padded past the last column.
+//
+// Each output element is one fused-multiply-add chain over k = 0, 1, ..., K-1 from zero, then
+// + bias: the same bits for a row alone or among any others, in any row block, at any thread
+// count. A micro-kernel holds R rows x 16 columns in registers (R = 6: twelve AVX2 registers
+// or six AVX-512 ones) and streams its panel once per block of rows, so a decode step's few
+// rows read each weight once and a prefill's many rows reuse a block of x from the cache.
+// Panels go over torch's own intra-op threads (at::parallel_for).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "vec16.h"
+
+namespace panel {
+
+using namespace vec16;
+
+constexpr int64_t kCols = 16;              // a panel's columns: one Vec
+constexpr int64_t kRows = 6;               // rows of a micro-kernel
+constexpr int64_t kBlockFloats = 1 << 16;  // x rows per block: about 256 KB of them
+
+// Rows [0, R) of x (row stride xs) times one panel, into columns [0, cols) of y.
+template <int R>
+void micro(const float* x, int64_t xs, const float* panel, int64_t K, const float* bias, float* y,
+           int64_t ys, int64_t cols) {
+  Vec acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = zero();
+  for (int64_t k = 0; k < K; ++k) {
+    const Vec w = load(panel + k * kCols);
+    for (int r = 0; r < R; ++r) acc[r] = fmadd(set1(x[r * xs + k]), w, acc[r]);
+  }
+  if (bias != nullptr) {
+    const Vec b = load_first(first_lanes(cols), bias);
+    for (int r = 0; r < R; ++r) acc[r] = add(acc[r], b);
+  }
+  if (cols == kCols) {
+    for (int r = 0; r < R; ++r) storeu(y + r * ys, acc[r]);
+  } else {
+    const Mask m = first_lanes(cols);
+    for (int r = 0; r < R; ++r) store_first(y + r * ys, m, acc[r]);
+  }
+}
+
+using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t,
+                         int64_t);
+constexpr MicroFn kMicro[kRows + 1] = {nullptr,   micro<1>, micro<2>, micro<3>,
+                                       micro<4>, micro<5>, micro<6>};
+
+// y [M, N] = x [M, K] times panels [P, K, 16] (64-byte aligned, N <= 16 P), + bias [N] unless
+// null; panels split over torch's intra-op threads.
+inline void product(const float* x, int64_t M, int64_t K, const float* panels, int64_t P, int64_t N,
+                    const float* bias, float* y) {
+  if (M == 0) return;
+  const int64_t block = std::max<int64_t>(kRows, kBlockFloats / K / kRows * kRows);
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+      const int64_t m1 = std::min(M, m0 + block);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t col = p * kCols, cols = std::min(kCols, N - col);
+        const float* pp = panels + p * K * kCols;
+        const float* pb = bias == nullptr ? nullptr : bias + col;
+        for (int64_t r = m0; r < m1; r += kRows) {
+          const int64_t rows = std::min(kRows, m1 - r);
+          kMicro[rows](x + r * K, K, pp, K, pb, y + r * N + col, N, cols);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace panel

@@ -1,0 +1,79 @@
+// A decoder layer's elementwise steps on one row each, float32 (models/fused_ops.py):
+//
+//   norm_row:      y = (x * 1/sqrt(mean(x^2) + eps)) * w
+//   add_norm_row:  x += d in place, then y = norm_row(x)
+//   rope_row:      RoPE on the q and k heads of a qkv row in place (x * cos + swap(x) * sin,
+//                  the sign of rotate_half folded into sin), then k and v into their slot of
+//                  the paged caches
+//   silu_mul_row:  y = silu(gate) * up
+//
+// A row's sum of squares runs in 16-float vectors over its columns in order, then one fixed
+// lane-sum tree: its result depends on the row alone, never on the batch or the threads.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "vec16.h"
+
+namespace rows {
+
+using namespace vec16;
+
+constexpr int64_t kLanes = 16;
+
+inline void norm_row(const float* x, const float* w, int64_t n, float eps, float* y) {
+  Vec acc = zero();
+  for (int64_t c = 0; c < n; c += kLanes) {
+    const Vec v = load_first(first_lanes(n - c), x + c);
+    acc = fmadd(v, v, acc);
+  }
+  const Vec inv = set1(1.0f / std::sqrt(reduce_add(acc) / static_cast<float>(n) + eps));
+  for (int64_t c = 0; c < n; c += kLanes) {
+    const Mask m = first_lanes(n - c);
+    store_first(y + c, m, mul(mul(load_first(m, x + c), inv), load_first(m, w + c)));
+  }
+}
+
+inline void add_norm_row(float* x, const float* d, const float* w, int64_t n, float eps, float* y) {
+  for (int64_t c = 0; c < n; c += kLanes) {
+    const Mask m = first_lanes(n - c);
+    store_first(x + c, m, add(load_first(m, x + c), load_first(m, d + c)));
+  }
+  norm_row(x, w, n, eps, y);
+}
+
+// qkv: one token's (heads + 2 kv_heads) * hd floats; cos, sin: its hd floats each; k and v go
+// to row `slot` (kv_heads * hd floats) of k_cache and v_cache.
+inline void rope_row(float* qkv, const float* cos, const float* sin, int64_t heads, int64_t kv_heads,
+                     int64_t hd, float* k_cache, float* v_cache, int64_t slot) {
+  const int64_t half = hd / 2, row = kv_heads * hd;
+  for (int64_t head = 0; head < heads + kv_heads; ++head) {
+    float* x = qkv + head * hd;
+    for (int64_t i = 0; i < half; i += kLanes) {
+      const Vec lo = loadu(x + i), hi = loadu(x + half + i);
+      storeu(x + i, add(mul(lo, loadu(cos + i)), mul(hi, loadu(sin + i))));
+      storeu(x + half + i, add(mul(hi, loadu(cos + half + i)), mul(lo, loadu(sin + half + i))));
+    }
+  }
+  const float* k = qkv + heads * hd;
+  for (int64_t i = 0; i < row; i += kLanes) {
+    storeu(k_cache + slot * row + i, loadu(k + i));
+    storeu(v_cache + slot * row + i, loadu(k + row + i));
+  }
+}
+
+// silu(g) = g / (1 + e^-g), as g / (1 + e) for g >= 0 and g e / (1 + e) below, e = e^-|g|:
+// exp_nonpositive's range either way.
+inline void silu_mul_row(const float* gate, const float* up, int64_t n, float* y) {
+  const Vec one = set1(1.0f);
+  for (int64_t c = 0; c < n; c += kLanes) {
+    const Mask m = first_lanes(n - c);
+    const Vec g = load_first(m, gate + c);
+    const Vec e = exp_nonpositive(sub(zero(), max(g, sub(zero(), g))));
+    const Vec s = div(select_nonnegative(g, g, mul(g, e)), add(one, e));
+    store_first(y + c, m, mul(s, load_first(m, up + c)));
+  }
+}
+
+}  // namespace rows

@@ -1,0 +1,102 @@
+"""A whole decode step in one C++ call (``csrc/decode_step.cpp``), float32 on CPU.
+
+The model's torch path on packed weights runs a decode step as ~300 ops (each layer's norms,
+three panel products, RoPE with the K/V writes, attention, activation, residual adds), each
+with its own dispatch and output tensor; for a batch-1 step that overhead is about a third of
+the time on two cores. This path calls the same C++ kernels in the same order from one op, so
+a sequence's logits are bit for bit those of the torch path (alone or batched, at any thread
+count), and only the overhead goes. It covers a step whose every sequence brings one new token,
+on a model whose weight products are all on float32 panels (``models.panel_linear``), with the
+fused ops built; ``unavailable_reason`` says why not otherwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from splitserve.models import native, paged_decode
+
+
+def unavailable_reason(model: torch.nn.Module) -> str | None:
+    """Why this path cannot run ``model`` (its weights as they are packed now), or None."""
+    for name in ("decode_step", "fused_ops", "paged_decode"):
+        reason = native.load(name)
+        if reason is not None:
+            return f"the {name} kernel is off: {reason}"
+    if getattr(model, "dtype", None) != torch.float32:
+        return f"it runs float32 weights only, the model has {getattr(model, 'dtype', None)}"
+    packed = [getattr(m, "packed", None) for m in model.modules() if hasattr(m, "packed")]
+    packed.append(model.lm_head_packed)
+    if any(p is None or p.dim() != 3 for p in packed):
+        return "not every weight product is on float32 panels (unpacked, or a width not 16k)"
+    if model.config.head_dim % 32:
+        return f"head_dim {model.config.head_dim} is not a multiple of 32 (the RoPE kernel's)"
+    if not paged_decode.native_fits(model.config.num_heads, model.layers[0].self_attn.k_cache):
+        return "the attention kernel does not take this model's heads or cache"
+    return None
+
+
+class DecodeStep:
+    """The C++ step for one ``LlamaForCausalLM`` with packed weights, bound to its cache."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        reason = unavailable_reason(model)
+        if reason is not None:
+            raise RuntimeError(f"native decode step unavailable: {reason}")
+        cfg, empty = model.config, torch.empty(0)
+        weights = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights += [
+                layer.input_layernorm.weight,
+                attn.qkv_proj.packed,
+                empty if attn.qkv_proj.bias is None else attn.qkv_proj.bias,
+                attn.o_proj.packed,
+                empty if attn.o_proj.bias is None else attn.o_proj.bias,
+                layer.post_attention_layernorm.weight,
+                mlp.gate_up_proj.packed,
+                mlp.down_proj.packed,
+            ]
+        self.model = model
+        self.impl = torch.classes.splitserve.DecodeModel(
+            [w.detach() for w in weights],
+            model.embed_tokens.detach(),
+            model.norm.weight.detach(),
+            model.lm_head_packed,
+            [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim],
+            float(cfg.rms_norm_eps),
+            float(model.layers[0].self_attn.scale),
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: np.ndarray,
+        block_tables: np.ndarray,
+        context_lens: np.ndarray,
+        threads: int,
+    ) -> torch.Tensor:
+        """Float32 logits ``[n, vocab]`` of ``n`` single-token sequences, each at
+        ``positions[r]`` (== ``context_lens[r] - 1``) with its K/V written to ``slots[r]`` of
+        the model's bound cache; ``block_tables`` ``[n, w]`` int64 covers every context. Runs
+        on ``threads`` intra-op threads."""
+        model = self.model
+        cos, sin = model.rotary(positions, torch.float32)  # [n, 1, hd], the torch path's tables
+        before = torch.get_num_threads()
+        if threads != before:
+            torch.set_num_threads(threads)
+        try:
+            return self.impl.step(
+                input_ids,
+                cos,
+                sin,
+                torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)),
+                torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int64)),
+                torch.from_numpy(np.ascontiguousarray(context_lens, dtype=np.int64)),
+                model.kv_cache,
+            )
+        finally:
+            if threads != before:
+                torch.set_num_threads(before)

@@ -1,0 +1,144 @@
+"""The decode step in one C++ call (models/decode_step.py) against the model's torch path on
+the same packed weights: the same bits for logits and cache, alone or batched, at any thread
+count; bad input refused; the models it does not take keep another path."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine import model_runner as model_runner_module
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.plan import ScheduledChunk, StepPlan
+from splitserve.models import decode_step, native
+from splitserve.models.decode_step import DecodeStep
+from splitserve.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(
+    native.load("decode_step") is not None, reason=str(native.load("decode_step"))
+)
+
+BLOCK = 4  # so that a few decode steps cross block boundaries
+GREEDY = SamplingParams(temperature=0)
+# head_dim 32 (the RoPE kernel's multiple), two query heads per kv head.
+SHAPE = dict(hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2)
+
+
+def chunk(rid: str, tokens: list[int], start: int, table: list[int], n_out: int = 0):
+    return ScheduledChunk(rid, tokens, start, table, True, GREEDY, n_out)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def saved(tmp_path_factory, hf_model_factory, variant: str, **shape) -> str:
+    directory = tmp_path_factory.mktemp(variant)
+    hf_model_factory(variant, **shape).save_pretrained(directory, safe_serialization=True)
+    return str(directory)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama3_tied"])
+def runners(request, tmp_path_factory, hf_model_factory):
+    """(torch-path runner, native-step runner): the same weights, a cache each."""
+    loaded = load_model(
+        saved(tmp_path_factory, hf_model_factory, request.param, **SHAPE), load_tokenizer=False
+    )
+    make = lambda on: ModelRunner(  # noqa: E731
+        loaded, block_size=BLOCK, kv_cache_bytes=2**20, threads=2, fused_decode=on
+    )
+    plain, native_step = make(False), make(True)
+    assert plain.fused is None and isinstance(native_step.fused, DecodeStep)
+    return plain, native_step
+
+
+def test_logits_and_cache_are_the_torch_paths_bit_for_bit(runners):
+    plain, native_step = runners
+    seqs = {"a": prompt(6, 1), "b": prompt(13, 2), "c": prompt(3, 3)}
+    tables = {"a": [9, 2, 14, 5, 0, 7], "b": [1, 11, 3, 8, 12, 4, 6], "c": [10, 13, 15, 16, 17]}
+    prefill = StepPlan([chunk(r, t, 0, tables[r]) for r, t in seqs.items()])
+    for runner in (plain, native_step):
+        runner.execute(prefill)
+    for step in range(10):  # contexts of 7..23 tokens: several block boundaries
+        for tokens in seqs.values():
+            tokens.append((tokens[-1] * 31 + step) % 256)
+        plan = StepPlan(
+            [chunk(r, t[-1:], len(t) - 1, tables[r], step + 1) for r, t in seqs.items()]
+        )
+        assert native_step._fused_applies(plan) and not plain._fused_applies(plan)
+        expected, got = plain.last_logits(plan), native_step.last_logits(plan)
+        for rid in seqs:
+            assert torch.equal(got[rid], expected[rid]), (rid, step)
+    assert torch.equal(native_step.kv_cache, plain.kv_cache)
+
+
+def test_a_sequence_gets_identical_logits_alone_and_with_others_at_any_thread_count(runners):
+    _, native_step = runners
+    seqs = {"a": prompt(5, 4), "b": prompt(9, 5), "c": prompt(2, 6), "d": prompt(7, 7)}
+    tables = {rid: list(range(6 * i, 6 * i + 6)) for i, rid in enumerate(seqs)}
+    native_step.execute(StepPlan([chunk(r, t, 0, tables[r]) for r, t in seqs.items()]))
+    step = [chunk(r, [t[-1] + 1], len(t), tables[r], 1) for r, t in seqs.items()]
+    together = native_step.last_logits(StepPlan(step))
+    try:
+        for one in step:
+            for threads in (1, 2, 3):
+                native_step.threads = threads
+                alone = native_step.last_logits(StepPlan([one]))  # rewrites its slot, same values
+                assert torch.equal(alone[one.request_id], together[one.request_id])
+    finally:
+        native_step.threads = 2
+
+
+def test_greedy_tokens_are_the_same_with_the_path_on_and_off(runners):
+    outputs = []
+    for runner in runners:
+        tables = {"a": [0, 1, 2, 3, 4, 5, 6, 7], "b": [8, 9, 10, 11, 12, 13, 14, 15]}
+        seqs = {"a": prompt(7, 8), "b": prompt(4, 9)}
+        plan = StepPlan([chunk(r, t, 0, tables[r]) for r, t in seqs.items()])
+        for step in range(16):
+            for rid, token in runner.execute(plan).sampled.items():
+                seqs[rid].append(token)
+            plan = StepPlan(
+                [chunk(r, s[-1:], len(s) - 1, tables[r], step + 1) for r, s in seqs.items()]
+            )
+        outputs.append(seqs)
+    assert outputs[0] == outputs[1]
+
+
+def test_bad_input_is_refused_before_the_cache_is_touched(runners):
+    _, native_step = runners
+    step, cache = native_step.fused, native_step.kv_cache
+    before = cache.clone()
+    ok = dict(slots=np.array([5]), block_tables=np.array([[1, 2]]), context_lens=np.array([6]))
+    call = lambda ids, **kw: step.forward(  # noqa: E731
+        torch.tensor(ids), torch.tensor([5]), **{**ok, **kw}, threads=1
+    )
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        call([256])
+    with pytest.raises(RuntimeError, match="slot .* outside the cache"):
+        call([3], slots=np.array([cache.shape[2] * BLOCK]))
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        call([3], context_lens=np.array([9]))
+    with pytest.raises(RuntimeError, match="block outside the cache"):
+        call([3], block_tables=np.array([[1, cache.shape[2]]]))
+    assert torch.equal(cache, before)
+    assert call([3]).shape == (1, 256)
+
+
+def test_models_it_does_not_take_keep_another_path(tmp_path_factory, hf_model_factory, caplog):
+    narrow = load_model(saved(tmp_path_factory, hf_model_factory, "llama"), load_tokenizer=False)
+    with caplog.at_level(logging.INFO, logger=model_runner_module.__name__):
+        runner = ModelRunner(narrow, block_size=BLOCK, kv_cache_bytes=2**20, fused_decode=True)
+    assert "head_dim 16 is not a multiple of 32" in caplog.text
+    assert runner.fused is None or not isinstance(runner.fused, DecodeStep)
+    directory = saved(tmp_path_factory, hf_model_factory, "qwen2", **SHAPE)
+    bf16 = load_model(directory, dtype="bfloat16", load_tokenizer=False)
+    ModelRunner(bf16, block_size=BLOCK, kv_cache_bytes=2**20)  # binds its cache
+    assert "float32" in decode_step.unavailable_reason(bf16.model)
+    with pytest.raises(RuntimeError, match="float32"):
+        DecodeStep(bf16.model)
