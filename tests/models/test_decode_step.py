@@ -142,3 +142,11 @@ def test_models_it_does_not_take_keep_another_path(tmp_path_factory, hf_model_fa
     assert "float32" in decode_step.unavailable_reason(bf16.model)
     with pytest.raises(RuntimeError, match="float32"):
         DecodeStep(bf16.model)
+
+
+def test_every_decode_only_step_takes_it_and_mixed_steps_do_not(runners):
+    _, native_step = runners
+    many = StepPlan([chunk(str(i), [1], 3, [i]) for i in range(40)])
+    assert native_step._fused_applies(many)
+    mixed = StepPlan([chunk("a", [1], 3, [0]), chunk("b", [1, 2], 0, [1])])
+    assert not native_step._fused_applies(mixed)

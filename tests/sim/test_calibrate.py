@@ -8,7 +8,7 @@ import multiprocessing
 import pytest
 
 from splitserve.cli import main
-from splitserve.engine.model_runner import FUSED_DECODE_MAX_SEQS
+from splitserve.engine.model_runner import FUSED_DECODE_MAX_SEQS, NATIVE_STEP_MAX_SEQS
 from splitserve.engine.step_log import fused_decode_max_seqs
 from splitserve.sim.calibrate import cost_model_of, fit, peak_cost_model
 from splitserve.sim.calibration_files import read_samples, write_calibration
@@ -188,8 +188,11 @@ def test_a_calibration_file_sets_the_profile(tmp_path):
 
 def test_the_real_engine_steps_and_host_tier_loads_are_measured():
     engine = build_engine(None, threads=1)
-    # The engine's fused decode path is on by default (numba is installed): the fit is told.
-    assert fused_decode_max_seqs(engine) == FUSED_DECODE_MAX_SEQS == 4
+    # The engine's fused decode path is on by default (the C++ step where it builds, else
+    # numba's): the fit is told how far it reaches.
+    native = getattr(engine.runner.fused, "exact", False)
+    expected = NATIVE_STEP_MAX_SEQS if native else FUSED_DECODE_MAX_SEQS
+    assert fused_decode_max_seqs(engine) == expected > 0
     samples = measure(
         None,
         threads=1,

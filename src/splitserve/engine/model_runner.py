@@ -41,10 +41,13 @@ SMALL_STEP_TOKENS = 8
 # MKL's GEMM leaves a core idle for a product this narrow (benchmarks/gemv_split.py).
 SPLIT_GEMV_MAX_TOKENS = 32
 
-# Decode-only steps of at most this many sequences run on the fused path when it is on
+# Decode-only steps of at most this many sequences run on the numba fused path when it is on
 # (models/fused_decode.py): it reads each weight once for all rows, but computes with plain
 # vector loops, where MKL's GEMM wins once a step has enough rows to be compute-bound.
 FUSED_DECODE_MAX_SEQS = 4
+# The C++ step (models/decode_step.py) computes as the torch path does, without its per-op
+# overhead: it takes every decode-only step up to this many sequences.
+NATIVE_STEP_MAX_SEQS = 1024
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +175,13 @@ class ModelRunner:
             self.fused = self._make_fused()
         return self.fused is not None
 
+    @property
+    def fused_max_seqs(self) -> int:
+        """The most sequences a decode-only step may have to run on the fused path (0: off)."""
+        if self.fused is None:
+            return 0
+        return NATIVE_STEP_MAX_SEQS if self.fused.exact else FUSED_DECODE_MAX_SEQS
+
     def _make_fused(self) -> DecodeStep | FusedDecoder | None:
         from splitserve.models import decode_step
 
@@ -273,7 +283,7 @@ class ModelRunner:
         chunks = plan.chunks
         return (
             self.fused is not None
-            and len(chunks) <= FUSED_DECODE_MAX_SEQS
+            and len(chunks) <= self.fused_max_seqs
             and all(c.num_tokens == 1 for c in chunks)
         )
 

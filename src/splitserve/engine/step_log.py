@@ -39,9 +39,7 @@ def plan_stats(plan: StepPlan) -> tuple[int, int, float, int, int]:
 
 def fused_decode_max_seqs(engine) -> int:
     """The most sequences a decode-only step of ``engine`` runs on its fused path (0: off)."""
-    from splitserve.engine.model_runner import FUSED_DECODE_MAX_SEQS
-
-    return FUSED_DECODE_MAX_SEQS if engine.runner.fused is not None else 0
+    return engine.runner.fused_max_seqs
 
 
 class StepLog:

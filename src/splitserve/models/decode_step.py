@@ -40,6 +40,8 @@ def unavailable_reason(model: torch.nn.Module) -> str | None:
 class DecodeStep:
     """The C++ step for one ``LlamaForCausalLM`` with packed weights, bound to its cache."""
 
+    exact = True  # the torch path's bits, so any decode-only step may take it
+
     def __init__(self, model: torch.nn.Module) -> None:
         reason = unavailable_reason(model)
         if reason is not None:

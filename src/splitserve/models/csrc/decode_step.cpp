@@ -8,8 +8,8 @@
 // Per layer: RMSNorm, qkv product (+ bias), RoPE and the K/V writes, attention over the block
 // table (GQA), output product (+ bias), residual add and RMSNorm, gate/up product, SiLU * up,
 // down product, residual add. Then the final RMSNorm and the output projection. Products and
-// attention go over torch's intra-op threads; the elementwise steps of a few rows stay on the
-// calling thread.
+// attention go over torch's intra-op threads, and so do the elementwise steps once a step has
+// many rows (a few rows cost less than waking a thread).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -17,6 +17,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -26,6 +27,16 @@
 #include "rows.h"
 
 namespace {
+
+constexpr int64_t kGrainRows = 64;  // as fused_ops.cpp: rows per thread before a second joins
+
+// fn(r) for every row r < n.
+template <typename F>
+void each_row(int64_t n, const F& fn) {
+  at::parallel_for(0, n, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) fn(r);
+  });
+}
 
 // A layer's weights, in the order the constructor takes them (a bias absent: an empty tensor).
 enum Slot { kInNorm, kQkv, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kDown, kPerLayer };
@@ -137,8 +148,9 @@ struct DecodeModel : torch::CustomClassHolder {
     const int64_t q = heads * hd, kv = kv_heads * hd, qkv_width = q + 2 * kv, g = heads / kv_heads;
     std::vector<float> x(n * hidden), h(n * hidden), d(n * hidden), qkvb(n * qkv_width), att(n * q),
         gu(n * 2 * inter), act(n * inter);
-    for (int64_t r = 0; r < n; ++r)
+    each_row(n, [&](int64_t r) {
       std::memcpy(x.data() + r * hidden, embed + idp[r] * hidden, hidden * sizeof(float));
+    });
     const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
     float* cache = kv_cache.data_ptr<float>();
     const int64_t layer_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
@@ -149,12 +161,14 @@ struct DecodeModel : torch::CustomClassHolder {
     for (int64_t l = 0; l < layers; ++l) {
       float* kc = cache + l * layer_stride;
       float* vc = kc + kv_stride;
-      for (int64_t r = 0; r < n; ++r)
+      each_row(n, [&](int64_t r) {
         rows::norm_row(x.data() + r * hidden, in_norm[l], hidden, eps, h.data() + r * hidden);
+      });
       run(qkv[l], h.data(), n, qkvb.data());
-      for (int64_t r = 0; r < n; ++r)
+      each_row(n, [&](int64_t r) {
         rows::rope_row(qkvb.data() + r * qkv_width, cp + r * hd, snp + r * hd, heads, kv_heads, hd,
                        kc, vc, sp[r]);
+      });
       at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores(score_floats);
         for (int64_t item = begin; item < end; ++item) {
@@ -164,18 +178,23 @@ struct DecodeModel : torch::CustomClassHolder {
         }
       });
       run(o[l], att.data(), n, d.data());
-      for (int64_t r = 0; r < n; ++r)
+      each_row(n, [&](int64_t r) {
         rows::add_norm_row(x.data() + r * hidden, d.data() + r * hidden, post_norm[l], hidden, eps,
                            h.data() + r * hidden);
+      });
       run(gate_up[l], h.data(), n, gu.data());
-      for (int64_t r = 0; r < n; ++r)
+      each_row(n, [&](int64_t r) {
         rows::silu_mul_row(gu.data() + r * 2 * inter, gu.data() + r * 2 * inter + inter, inter,
                            act.data() + r * inter);
+      });
       run(down[l], act.data(), n, d.data());
-      for (int64_t i = 0; i < n * hidden; ++i) x[i] += d[i];
+      each_row(n, [&](int64_t r) {
+        for (int64_t i = r * hidden; i < (r + 1) * hidden; ++i) x[i] += d[i];
+      });
     }
-    for (int64_t r = 0; r < n; ++r)
+    each_row(n, [&](int64_t r) {
       rows::norm_row(x.data() + r * hidden, final_norm, hidden, eps, h.data() + r * hidden);
+    });
     run(lm_head, h.data(), n, logits.data_ptr<float>());
     return logits;
   }
