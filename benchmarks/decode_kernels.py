@@ -10,7 +10,9 @@ Variants (same process, same weights, same sequences):
 - ``packed+paged-numba``: and decode attention in place over the paged cache by the numba
   kernel (``models.paged_decode``);
 - ``packed+paged``: decode attention, and a bfloat16 model's prefill attention, by the C++
-  kernel where it is built: the engine's default.
+  kernel where it is built;
+- ``packed+paged+step``: and every decode-only step in one C++ call (``models.decode_step``,
+  float32 where built): the engine's default.
 
 Each round prefills ``--seqs`` random prompts of ``--context`` tokens (timed: prefill tok/s)
 and times ``--steps`` decode steps of all of them together; rounds alternate between the
@@ -46,10 +48,10 @@ import torch  # noqa: E402
 from router_peer import cpu_description  # noqa: E402
 
 from splitserve import LLM, SamplingParams  # noqa: E402
-from splitserve.models import native, paged_decode  # noqa: E402
+from splitserve.models import decode_step, native, paged_decode  # noqa: E402
 from splitserve.models.llama import Linear  # noqa: E402
 
-VARIANTS = ("plain", "packed", "packed+paged-numba", "packed+paged")
+VARIANTS = ("plain", "packed", "packed+paged-numba", "packed+paged", "packed+paged+step")
 
 
 def parse_args() -> argparse.Namespace:
@@ -77,6 +79,9 @@ class Switch:
         self.lm_head = model.lm_head_packed
         self.paged = self.runner.paged_decode
         self.native_fits = paged_decode.native_fits
+        self.step = (
+            decode_step.DecodeStep(model) if decode_step.unavailable_reason(model) is None else None
+        )
 
     def set(self, variant: str) -> None:
         packed = variant != "plain"
@@ -85,8 +90,9 @@ class Switch:
         self.runner.model.lm_head_packed = self.lm_head if packed else None
         self.runner.packed = packed
         self.runner.paged_decode = self.paged and variant.startswith("packed+paged")
-        native = variant == "packed+paged"
+        native = variant.startswith("packed+paged") and variant != "packed+paged-numba"
         paged_decode.native_fits = self.native_fits if native else (lambda *_: False)
+        self.runner.fused = self.step if variant == "packed+paged+step" else None
 
 
 def one_round(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[float, float]:
@@ -217,19 +223,20 @@ def main() -> None:
     switch = Switch(llm)
     print(f"CPU: {cpu_description()}")
     print(f"{args.seqs} sequences of {args.context} tokens, {args.dtype}, {args.threads} thread(s)")
-    for variant in VARIANTS:  # warm-up: compile, fault the pages in
+    variants = [v for v in VARIANTS if v != "packed+paged+step" or switch.step is not None]
+    for variant in variants:  # warm-up: compile, fault the pages in
         switch.set(variant)
         one_round(llm, prompts[:2], 2)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    prefills: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    prefills: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.rounds):
-        for variant in VARIANTS:
+        for variant in variants:
             switch.set(variant)
             prefill, step = one_round(llm, prompts, args.steps)
             prefills[variant].append(prefill)
             times[variant].append(step)
     base, base_prefill = statistics.median(times["plain"]), statistics.median(prefills["plain"])
-    for variant in VARIANTS:
+    for variant in variants:
         ms, pre = statistics.median(times[variant]), statistics.median(prefills[variant])
         rounds = ", ".join(f"{t * 1e3:.1f}" for t in times[variant])
         print(
