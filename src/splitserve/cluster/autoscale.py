@@ -110,7 +110,7 @@ class Planner:
         model: str = "smollm2-135m",
         host_cores: int | None = None,
         remote_prefill_threshold: int | None = None,
-        margin: float = 0.02,
+        margin: float = 0.05,
         patience: int = 2,
         min_requests: int = 4,
         sim_seconds: float = 60.0,
