@@ -169,8 +169,9 @@ MODES = ("torch", "split_gemv", "fused")  # how small decode steps run, see set_
 
 def set_mode(llm: LLM, mode: str) -> bool:
     """``torch``: the model's torch ops; ``split_gemv``: the same with the weight products split
-    across the threads (``SplitGemv``); ``fused``: the numba kernel (models/fused_decode.py).
-    False if this model cannot run ``mode`` (the fused kernel is float32 only)."""
+    across the threads (``SplitGemv``); ``fused``: the fused path (the C++ step of
+    models/decode_step.py where it is built, else the numba one of models/fused_decode.py).
+    False if this model cannot run ``mode`` (both are float32 only)."""
     runner = llm.engine.runner
     runner.split_gemv = mode == "split_gemv"
     return runner.use_fused_decode(mode == "fused") == (mode == "fused")
@@ -232,7 +233,7 @@ def main() -> None:
     results["throughput"] = {}
     for mode in (
         () if args.skip_throughput else MODES
-    ):  # split_gemv: steps <= 32 tokens; fused: decode-only steps <= 4 seqs
+    ):  # split_gemv: steps <= 32 tokens; fused: decode-only steps (numba: <= 4 seqs)
         if not set_mode(llm, mode):
             print(f"[1] small steps on {mode}: not available for this model, skipped")
             continue
