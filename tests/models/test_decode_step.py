@@ -10,31 +10,21 @@ import numpy as np
 import pytest
 import torch
 
-from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine import model_runner as model_runner_module
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.plan import ScheduledChunk, StepPlan
+from splitserve.engine.plan import StepPlan
 from splitserve.models import decode_step, native
 from splitserve.models.decode_step import DecodeStep
 from splitserve.models.loader import load_model
+from tests.models.plans import chunk, decode_steps, greedy_run, prompt
 
 pytestmark = pytest.mark.skipif(
     native.load("decode_step") is not None, reason=str(native.load("decode_step"))
 )
 
 BLOCK = 4  # so that a few decode steps cross block boundaries
-GREEDY = SamplingParams(temperature=0)
 # head_dim 32 (the RoPE kernel's multiple), two query heads per kv head.
 SHAPE = dict(hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2)
-
-
-def chunk(rid: str, tokens: list[int], start: int, table: list[int], n_out: int = 0):
-    return ScheduledChunk(rid, tokens, start, table, True, GREEDY, n_out)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), generator=g).tolist()
 
 
 def saved(tmp_path_factory, hf_model_factory, variant: str, **shape) -> str:
@@ -59,20 +49,10 @@ def runners(request, tmp_path_factory, hf_model_factory):
 
 def test_logits_and_cache_are_the_torch_paths_bit_for_bit(runners):
     plain, native_step = runners
-    seqs = {"a": prompt(6, 1), "b": prompt(13, 2), "c": prompt(3, 3)}
-    tables = {"a": [9, 2, 14, 5, 0, 7], "b": [1, 11, 3, 8, 12, 4, 6], "c": [10, 13, 15, 16, 17]}
-    prefill = StepPlan([chunk(r, t, 0, tables[r]) for r, t in seqs.items()])
-    for runner in (plain, native_step):
-        runner.execute(prefill)
-    for step in range(10):  # contexts of 7..23 tokens: several block boundaries
-        for tokens in seqs.values():
-            tokens.append((tokens[-1] * 31 + step) % 256)
-        plan = StepPlan(
-            [chunk(r, t[-1:], len(t) - 1, tables[r], step + 1) for r, t in seqs.items()]
-        )
+    for step, plan in enumerate(decode_steps(runners)):
         assert native_step._fused_applies(plan) and not plain._fused_applies(plan)
         expected, got = plain.last_logits(plan), native_step.last_logits(plan)
-        for rid in seqs:
+        for rid in expected:
             assert torch.equal(got[rid], expected[rid]), (rid, step)
     assert torch.equal(native_step.kv_cache, plain.kv_cache)
 
@@ -95,19 +75,8 @@ def test_a_sequence_gets_identical_logits_alone_and_with_others_at_any_thread_co
 
 
 def test_greedy_tokens_are_the_same_with_the_path_on_and_off(runners):
-    outputs = []
-    for runner in runners:
-        tables = {"a": [0, 1, 2, 3, 4, 5, 6, 7], "b": [8, 9, 10, 11, 12, 13, 14, 15]}
-        seqs = {"a": prompt(7, 8), "b": prompt(4, 9)}
-        plan = StepPlan([chunk(r, t, 0, tables[r]) for r, t in seqs.items()])
-        for step in range(16):
-            for rid, token in runner.execute(plan).sampled.items():
-                seqs[rid].append(token)
-            plan = StepPlan(
-                [chunk(r, s[-1:], len(s) - 1, tables[r], step + 1) for r, s in seqs.items()]
-            )
-        outputs.append(seqs)
-    assert outputs[0] == outputs[1]
+    plain, native_step = runners
+    assert greedy_run(plain) == greedy_run(native_step)
 
 
 def test_bad_input_is_refused_before_the_cache_is_touched(runners):

@@ -8,27 +8,17 @@ import logging
 import pytest
 import torch
 
-from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine import model_runner as model_runner_module
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.plan import ScheduledChunk, StepPlan
+from splitserve.engine.plan import StepPlan
 from splitserve.models import fused_decode
 from splitserve.models.loader import load_model
+from tests.models.plans import chunk, decode_steps, greedy_run, prompt
 
 pytest.importorskip("numba")
 
 ATOL = 1e-3  # as the transformers comparisons
 BLOCK = 4  # so that a few decode steps cross block boundaries
-GREEDY = SamplingParams(temperature=0)
-
-
-def chunk(rid: str, tokens: list[int], start: int, table: list[int], n_out: int = 0):
-    return ScheduledChunk(rid, tokens, start, table, True, GREEDY, n_out)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), generator=g).tolist()
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "llama3_tied"])
@@ -47,20 +37,10 @@ def runners(request, tmp_path_factory, hf_model_factory):
 
 def test_logits_match_the_torch_path_over_decode_steps(runners):
     plain, fused, _ = runners
-    seqs = {"a": prompt(6, 1), "b": prompt(13, 2), "c": prompt(3, 3)}
-    tables = {"a": [9, 2, 14, 5, 0, 7], "b": [1, 11, 3, 8, 12, 4, 6], "c": [10, 13, 15, 16, 17]}
-    prefill = StepPlan([chunk(r, t, 0, tables[r]) for r, t in seqs.items()])
-    for runner in (plain, fused):
-        runner.execute(prefill)
-    for step in range(10):  # contexts of 7..23 tokens: several block boundaries
-        for tokens in seqs.values():
-            tokens.append((tokens[-1] * 31 + step) % 256)
-        plan = StepPlan(
-            [chunk(r, t[-1:], len(t) - 1, tables[r], step + 1) for r, t in seqs.items()]
-        )
+    for step, plan in enumerate(decode_steps((plain, fused))):
         assert fused._fused_applies(plan) and not plain._fused_applies(plan)
         expected, got = plain.last_logits(plan), fused.last_logits(plan)
-        for rid in seqs:
+        for rid in expected:
             diff = (got[rid] - expected[rid]).abs().max().item()
             assert diff < ATOL, (rid, step, diff)
     assert (fused.kv_cache - plain.kv_cache).abs().max().item() < 1e-5
@@ -83,20 +63,7 @@ def test_a_sequence_gets_identical_logits_alone_and_with_others(runners):
 
 def test_greedy_tokens_are_the_same_with_the_path_on_and_off(runners):
     plain, fused, _ = runners
-    prompts = {"a": prompt(7, 8), "b": prompt(4, 9)}
-    outputs = []
-    for runner in (plain, fused):
-        tables = {"a": [0, 1, 2, 3, 4, 5, 6, 7], "b": [8, 9, 10, 11, 12, 13, 14, 15]}
-        seqs = {rid: list(p) for rid, p in prompts.items()}
-        plan = StepPlan([chunk(r, t, 0, tables[r]) for r, t in seqs.items()])
-        for step in range(16):
-            for rid, token in runner.execute(plan).sampled.items():
-                seqs[rid].append(token)
-            plan = StepPlan(
-                [chunk(r, s[-1:], len(s) - 1, tables[r], step + 1) for r, s in seqs.items()]
-            )
-        outputs.append(seqs)
-    assert outputs[0] == outputs[1]
+    assert greedy_run(plain) == greedy_run(fused)
 
 
 def test_larger_or_mixed_steps_keep_the_torch_path(runners):
