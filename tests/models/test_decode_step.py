@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from splitserve.engine import model_runner as model_runner_module
+from splitserve.engine.core_share import CoreShare
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.plan import StepPlan
 from splitserve.models import decode_step, native
@@ -119,3 +120,18 @@ def test_every_decode_only_step_takes_it_and_mixed_steps_do_not(runners):
     assert native_step._fused_applies(many)
     mixed = StepPlan([chunk("a", [1], 3, [0]), chunk("b", [1, 2], 0, [1])])
     assert not native_step._fused_applies(mixed)
+
+
+def test_only_small_steps_take_their_threads_from_core_share(runners):
+    """CoreShare compares the times of small steps to pick their threads; a larger step keeps
+    every thread and is neither sampled nor recorded."""
+    _, native_step = runners
+    share = native_step.core_share = CoreShare(interval_s=1e-9)  # samples on every call
+    tables = {str(i): [2 * i, 2 * i + 1] for i in range(8)}
+    native_step.execute(StepPlan([chunk(r, prompt(3, int(r)), 0, t) for r, t in tables.items()]))
+    big = StepPlan([chunk(r, [1], 3, t, 1) for r, t in tables.items()])
+    before = share._last
+    native_step.execute(big)
+    assert share._last is before
+    native_step.execute(StepPlan(big.chunks[:1]))
+    assert share._last is not before
