@@ -86,10 +86,7 @@ class DecodeStep:
         on ``threads`` intra-op threads."""
         model = self.model
         cos, sin = model.rotary(positions, torch.float32)  # [n, 1, hd], the torch path's tables
-        before = torch.get_num_threads()
-        if threads != before:
-            torch.set_num_threads(threads)
-        try:
+        with native.intra_op_threads(threads):
             return self.impl.step(
                 input_ids,
                 cos,
@@ -99,6 +96,3 @@ class DecodeStep:
                 torch.from_numpy(np.ascontiguousarray(context_lens, dtype=np.int64)),
                 model.kv_cache,
             )
-        finally:
-            if threads != before:
-                torch.set_num_threads(before)

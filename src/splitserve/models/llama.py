@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.models import fused_ops, panel_linear
+from splitserve.models import fused_ops, native, panel_linear
 from splitserve.models.attention import AttentionContext, paged_attention, write_kv
 from splitserve.models.config import ModelConfig
 
@@ -51,12 +51,8 @@ def matmul_t(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     if parts == 1 or out % parts:
         return torch.matmul(x, w_t)
     cols = w_t.view(w_t.shape[0], parts, out // parts).transpose(0, 1)  # [parts, in, out/p]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(parts)
-    try:
+    with native.intra_op_threads(parts):
         y = torch.matmul(x, cols)
-    finally:
-        torch.set_num_threads(threads)
     return y.transpose(0, 1).reshape(rows, out)
 
 

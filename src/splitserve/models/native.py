@@ -20,6 +20,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -82,6 +84,20 @@ def load_all() -> dict[str, str | None]:
     """Build and load every kernel (``make install`` does, so that no worker waits for one):
     each name with ``load``'s answer."""
     return {name: load(name) for name in KERNELS}
+
+
+@contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op thread count (which the kernels run on) set to ``threads`` for the
+    block, then restored."""
+    before = torch.get_num_threads()
+    if threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if threads != before:
+            torch.set_num_threads(before)
 
 
 def _load(name: str) -> str | None:

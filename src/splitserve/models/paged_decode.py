@@ -100,10 +100,7 @@ def decode_attention(
 
 
 def _native(q, k_cache, v_cache, tables, lens, scale, threads) -> torch.Tensor:
-    before = torch.get_num_threads()
-    if threads != before:
-        torch.set_num_threads(threads)
-    try:
+    with native.intra_op_threads(threads):
         out = torch.ops.splitserve.paged_decode(
             q.float().contiguous(),
             k_cache,
@@ -112,9 +109,6 @@ def _native(q, k_cache, v_cache, tables, lens, scale, threads) -> torch.Tensor:
             torch.from_numpy(np.ascontiguousarray(lens, dtype=np.int64)),
             scale,
         )
-    finally:
-        if threads != before:
-            torch.set_num_threads(before)
     return out.to(q.dtype)
 
 
