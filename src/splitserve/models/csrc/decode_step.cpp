@@ -75,15 +75,14 @@ struct DecodeModel : torch::CustomClassHolder {
     embed = vector(embed_t, vocab * hidden, "embed");
     final_norm = vector(final_norm_t, hidden, "final norm");
     lm_head = product(lm_head_t, at::Tensor(), hidden, vocab, "output projection");
+    inter = held[kGateUp].size(0) * panel::kCols / 2;
     for (int64_t l = 0; l < layers; ++l) {
       const at::Tensor* w = held.data() + l * kPerLayer;
       in_norm.push_back(vector(w[kInNorm], hidden, "input norm"));
       qkv.push_back(product(w[kQkv], w[kQkvBias], hidden, q + 2 * kv, "qkv"));
       o.push_back(product(w[kO], w[kOBias], q, hidden, "o"));
       post_norm.push_back(vector(w[kPostNorm], hidden, "post-attention norm"));
-      const int64_t gu = w[kGateUp].size(0) * panel::kCols;
-      inter = gu / 2;
-      gate_up.push_back(product(w[kGateUp], at::Tensor(), hidden, gu, "gate/up"));
+      gate_up.push_back(product(w[kGateUp], at::Tensor(), hidden, 2 * inter, "gate/up"));
       down.push_back(product(w[kDown], at::Tensor(), inter, hidden, "down"));
     }
     held.insert(held.end(), {embed_t, final_norm_t, lm_head_t});
