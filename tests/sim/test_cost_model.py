@@ -134,11 +134,11 @@ def test_the_multi_row_overhead_costs_steps_of_more_than_one_token():
 
 
 def test_decode_steps_small_enough_for_the_fused_path_pay_no_multi_row_overhead():
-    # cpu-local's engine runs decode-only steps of up to 4 sequences on its fused path (one
-    # weight read for all rows, no GEMM); a fifth sequence, or any prefill token, leaves it.
+    # An engine that runs decode-only steps of up to 4 sequences on its fused path (one
+    # weight read for all rows, no GEMM; the numba step): a fifth sequence, or any prefill
+    # token, leaves it.
     model = get_model("smollm2-135m")
-    plain = get_hardware("cpu-local").with_fit(multi_row_overhead_s=0.0)
-    assert get_hardware("cpu-local").fused_decode_max_seqs == 4
+    plain = get_hardware("cpu-local").with_fit(multi_row_overhead_s=0.0, fused_decode_max_seqs=4)
     cost = CostModel(model, plain.with_fit(multi_row_overhead_s=0.05), 1, "fp32")
     without = CostModel(model, plain, 1, "fp32")
     for batch, extra in ((1, 0.0), (2, 0.0), (4, 0.0), (5, 0.05), (16, 0.05)):
@@ -167,7 +167,8 @@ def test_the_fused_path_computes_at_its_own_efficiency():
     # fused_compute_eff; a fifth sequence leaves the path and computes at compute_eff and
     # attention_eff again. The weight read is at memory_eff either way.
     model = get_model("smollm2-135m")
-    hw = get_hardware("cpu-local").with_fit(
+    hw = get_hardware("cpu-local").with_peaks((90e9, 16.6e9)).with_fit(
+        fused_decode_max_seqs=4,
         compute_eff=1.0,
         attention_eff=0.5,
         memory_eff=1.0,
@@ -209,7 +210,8 @@ def test_attention_at_its_own_efficiency():
     # Attention's FLOPs at attention_eff, the weight products' at compute_eff: a prefill
     # after a 512-token context pays for the context's attention alone at the slower rate.
     model = get_model("smollm2-135m")
-    hw = get_hardware("cpu-local").with_fit(compute_eff=0.8, attention_eff=0.4)
+    hw = get_hardware("cpu-local").with_peaks((90e9, 16.6e9))
+    hw = hw.with_fit(compute_eff=0.8, attention_eff=0.4)
     cost = CostModel(model, hw, 1, "fp32")
     same = CostModel(model, hw.with_fit(attention_eff=None), 1, "fp32")
     after, fresh = StepShape(128, 1, 128 * 512 + 128 * 129 / 2, 640, 1), StepShape(128, 1, 0, 0, 1)

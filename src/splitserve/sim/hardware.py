@@ -43,8 +43,8 @@ class HardwareProfile:
     # take the GEMM path (which packs the weights) where a 1-row decode step takes GEMV.
     multi_row_overhead_s: float = 0.0
     # Decode-only steps of at most this many sequences skip that overhead: on cpu-local the
-    # engine runs them on its fused path (``models/fused_decode.py``), one weight read for
-    # all rows (the engine's ``FUSED_DECODE_MAX_SEQS``; 0: no such path).
+    # engine runs them on its fused path (``models/decode_step.py``), one weight read for
+    # all rows (the engine's ``ModelRunner.fused_max_seqs``; 0: no such path).
     fused_decode_max_seqs: int = 0
     # The fused path's arithmetic (weights and attention) as a fraction of the peak: plain
     # compiled loops, one pass over the weights for every row, not the BLAS the peak is
@@ -188,28 +188,27 @@ HARDWARE: dict[str, HardwareProfile] = {
             "Gen5 x16 to the host per GPU; 8 x 3.84 TB U.2 NVMe data drives",
         ),
         # This machine, one engine thread, float32. Peaks are what a 1-thread float32 matmul
-        # and a large tensor copy reach here (benchmarks/engine_throughput.py measures both);
+        # and a large read-only sum reach here (`splitserve sim calibrate` measures both);
         # efficiency and overhead are fitted by `splitserve sim calibrate` (docs/simulator.md).
         HardwareProfile(
             name="cpu-local",
-            peak_flops={"fp32": 90 * 1e9},
-            hbm_bw=16.6 * GB,
+            peak_flops={"fp32": 92 * 1e9},
+            hbm_bw=22.0 * GB,
             hbm_bytes=24 * GB,
             link_bw=1.0 * GB,
             net_bw=1.0 * GB,
             gpus_per_node=64,
-            # `splitserve sim calibrate --repeats 5` on 2026-12-02 00:52 UTC on a quiet machine
-            # (load average < 1.1), the engine's fused decode path on, refitted with the fused
-            # path's own compute efficiency: rms error 3.7%, max 8.4% over its 13 step shapes
-            # (the run is tabled in docs/journal/2026-12-02.md; docs/simulator.md).
-            compute_eff=1.0,
-            memory_eff=0.62,
-            attention_eff=0.32,
-            fused_compute_eff=0.16,
-            step_overhead_s=9.3e-3,
-            seq_overhead_s=4.5e-3,
-            multi_row_overhead_s=54.8e-3,
-            fused_decode_max_seqs=4,
+            # `splitserve sim calibrate --repeats 5` on a quiet machine, every decode-only step
+            # on the engine's C++ decode step: rms error 3.3%, max 8.0% over its 13 step shapes
+            # (the run is tabled in docs/journal/2026-12-07.md; docs/simulator.md).
+            compute_eff=0.96,
+            memory_eff=0.91,
+            attention_eff=0.41,
+            fused_compute_eff=1.0,
+            step_overhead_s=0.0,
+            seq_overhead_s=2.4e-3,
+            multi_row_overhead_s=25.5e-3,
+            fused_decode_max_seqs=1024,
             link_latency_s=2e-3,
             net_latency_s=2e-3,
             allreduce_latency_s=0.0,

@@ -223,9 +223,10 @@ def medians(samples: list[Sample]) -> list[Sample]:
 
 def measure_peaks(threads: int, repeats: int = 5) -> tuple[float, float]:
     """This machine's fp32 GEMM FLOP/s at ``threads`` threads (square 1024 products) and its
-    memory bandwidth (bytes read plus written per second copying 256 MiB): the best of
-    ``repeats``. The fit's efficiencies are fractions of these, so that a faster machine than
-    ``cpu-local``'s nominal one does not push them past 1."""
+    memory bandwidth (bytes read per second summing 256 MiB: a step's weights and KV are read,
+    and a read stream runs faster than a copy): the best of ``repeats``. The fit's efficiencies
+    are fractions of these, so that a faster machine than ``cpu-local``'s nominal one does not
+    push them past 1."""
     import torch
 
     before = torch.get_num_threads()
@@ -233,17 +234,17 @@ def measure_peaks(threads: int, repeats: int = 5) -> tuple[float, float]:
     try:
         n, products = 1024, 8
         a, b = torch.randn(n, n), torch.randn(n, n)
-        src, dst = torch.ones(64 * 2**20), torch.empty(64 * 2**20)
-        flops, copy = [], []
+        src = torch.ones(64 * 2**20)
+        flops, read = [], []
         for _ in range(repeats + 1):  # the first of each warms up
             start = time.perf_counter()
             for _ in range(products):
                 torch.mm(a, b)
             flops.append(products * 2 * n**3 / (time.perf_counter() - start))
             start = time.perf_counter()
-            dst.copy_(src)
-            copy.append(2 * src.numel() * 4 / (time.perf_counter() - start))
-        return max(flops[1:]), max(copy[1:])
+            src.sum()
+            read.append(src.numel() * 4 / (time.perf_counter() - start))
+        return max(flops[1:]), max(read[1:])
     finally:
         torch.set_num_threads(before)
 
