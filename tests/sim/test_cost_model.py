@@ -167,15 +167,19 @@ def test_the_fused_path_computes_at_its_own_efficiency():
     # fused_compute_eff; a fifth sequence leaves the path and computes at compute_eff and
     # attention_eff again. The weight read is at memory_eff either way.
     model = get_model("smollm2-135m")
-    hw = get_hardware("cpu-local").with_peaks((90e9, 16.6e9)).with_fit(
-        fused_decode_max_seqs=4,
-        compute_eff=1.0,
-        attention_eff=0.5,
-        memory_eff=1.0,
-        fused_compute_eff=0.05,
-        step_overhead_s=0.0,
-        seq_overhead_s=0.0,
-        multi_row_overhead_s=0.0,
+    hw = (
+        get_hardware("cpu-local")
+        .with_peaks((90e9, 16.6e9))
+        .with_fit(
+            fused_decode_max_seqs=4,
+            compute_eff=1.0,
+            attention_eff=0.5,
+            memory_eff=1.0,
+            fused_compute_eff=0.05,
+            step_overhead_s=0.0,
+            seq_overhead_s=0.0,
+            multi_row_overhead_s=0.0,
+        )
     )
     cost = CostModel(model, hw, 1, "fp32")
     per_token = 2 * model.layers * (model.attention_params + model.active_mlp_params)

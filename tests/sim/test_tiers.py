@@ -159,14 +159,18 @@ PAUSED = AgenticConfig(
 # The cpu-local fit this test's thresholds were set against (the profile's defaults before
 # the attention and multi-row terms): how much a short run recomputes depends on step times,
 # so a new calibration of the profile must not move it.
-CPU_LOCAL_2026_11_30 = get_hardware("cpu-local").with_peaks((90e9, 16.6e9)).with_fit(
-    compute_eff=0.73,
-    memory_eff=0.61,
-    attention_eff=None,
-    step_overhead_s=0.0,
-    seq_overhead_s=14.3e-3,
-    multi_row_overhead_s=0.0,
-    fused_compute_eff=None,
+CPU_LOCAL_2026_11_30 = (
+    get_hardware("cpu-local")
+    .with_peaks((90e9, 16.6e9))
+    .with_fit(
+        compute_eff=0.73,
+        memory_eff=0.61,
+        attention_eff=None,
+        step_overhead_s=0.0,
+        seq_overhead_s=14.3e-3,
+        multi_row_overhead_s=0.0,
+        fused_compute_eff=None,
+    )
 )
 
 
