@@ -88,7 +88,7 @@ void attend(const float* q, int64_t qstride, int64_t nq, int64_t first, const T*
           dots[i] = d;
         }
         for (int64_t i = count; i < kLanes; ++i) dots[i] = zero();
-        store_first(sc(r, j) + p, first_lanes(count), sum_lanes16(dots));
+        store_n(sc(r, j) + p, count, sum_lanes16(dots));
       }
     }
   }
@@ -107,7 +107,7 @@ void attend(const float* q, int64_t qstride, int64_t nq, int64_t first, const T*
       for (int64_t p = 0; p < len; p += kLanes) {
         const Mask m = first_lanes(len - p);
         const Vec e = exp_nonpositive(sub(load_first(m, s + p), top));
-        store_first(s + p, m, e);
+        store_n(s + p, len - p, e);
         total = add_first(total, m, e);
       }
       totals[r * g + j] = reduce_add(total);

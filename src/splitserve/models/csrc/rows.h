@@ -31,14 +31,14 @@ inline void norm_row(const float* x, const float* w, int64_t n, float eps, float
   const Vec inv = set1(1.0f / std::sqrt(reduce_add(acc) / static_cast<float>(n) + eps));
   for (int64_t c = 0; c < n; c += kLanes) {
     const Mask m = first_lanes(n - c);
-    store_first(y + c, m, mul(mul(load_first(m, x + c), inv), load_first(m, w + c)));
+    store_n(y + c, n - c, mul(mul(load_first(m, x + c), inv), load_first(m, w + c)));
   }
 }
 
 inline void add_norm_row(float* x, const float* d, const float* w, int64_t n, float eps, float* y) {
   for (int64_t c = 0; c < n; c += kLanes) {
     const Mask m = first_lanes(n - c);
-    store_first(x + c, m, add(load_first(m, x + c), load_first(m, d + c)));
+    store_n(x + c, n - c, add(load_first(m, x + c), load_first(m, d + c)));
   }
   norm_row(x, w, n, eps, y);
 }
@@ -72,7 +72,7 @@ inline void silu_mul_row(const float* gate, const float* up, int64_t n, float* y
     const Vec g = load_first(m, gate + c);
     const Vec e = exp_nonpositive(sub(zero(), max(g, sub(zero(), g))));
     const Vec s = div(select_nonnegative(g, g, mul(g, e)), add(one, e));
-    store_first(y + c, m, mul(s, load_first(m, up + c)));
+    store_n(y + c, n - c, mul(s, load_first(m, up + c)));
   }
 }
 
