@@ -23,8 +23,6 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +33,8 @@ from io import BytesIO
 from pathlib import Path
 
 import httpx
+
+from splitserve.cluster.local import free_port, stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 # The parent of 746d61a, the first commit of the engine-vs-vLLM work (--dtype auto).
@@ -56,12 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def extract_src(rev: str, dest: Path) -> Path:
     """``rev``'s ``src/`` tree under ``dest``; returns its ``src`` directory."""
     try:
@@ -75,20 +69,6 @@ def extract_src(rev: str, dest: Path) -> Path:
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
         tar.extractall(dest, filter="data")
     return dest / "src"
-
-
-def stop_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    """SIGTERM to the server's whole process group (its workers too), SIGKILL if it lingers."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=timeout)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def launch(src: Path, port: int, log: Path) -> subprocess.Popen:

@@ -10,13 +10,14 @@ import signal
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import psutil
 
-from splitserve.cluster.local import die_with_parent, free_port
+from splitserve.cluster.local import die_with_parent, free_port, stop_group
 from splitserve.common.tenants import DEFAULT_TENANT, TENANT_HEADER, sign
 
 __all__ = [
@@ -27,6 +28,8 @@ __all__ = [
     "free_port",
     "last_test_using",
     "metric",
+    "skip_without_vllm",
+    "start_launcher",
     "start_worker",
     "stop_group",
     "wait_healthy",
@@ -79,20 +82,6 @@ def wait_healthy(
     raise TimeoutError(f"{url} was not healthy after {timeout:.0f}s")
 
 
-def stop_group(proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    """SIGTERM the process group, then SIGKILL it if it lingers."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def metric(
     url: str, name: str, headers: dict | None = None, verify: ssl.SSLContext | bool = True
 ) -> float:
@@ -139,6 +128,41 @@ def env_for_checkout(copy: Path) -> dict[str, str]:
     ``SPLITSERVE_TRACES_DIR``."""
     env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_TRACES_DIR"}
     return {**env, "PYTHONPATH": str(copy / "src")}
+
+
+def skip_without_vllm() -> None:
+    """Skip the calling test module where no vLLM is installed (``make install-vllm``)."""
+    import pytest
+
+    from splitserve.cluster.vllm_worker import find_vllm_python
+
+    try:
+        find_vllm_python()
+    except ValueError as e:
+        pytest.skip(f"no vLLM here ({e})", allow_module_level=True)
+
+
+def start_launcher(
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    log: list[str] | None = None,
+    stderr: bool = False,
+) -> tuple[subprocess.Popen, queue.Queue]:
+    """``argv`` (a ``splitserve serve`` command line) in a session of its own, with a thread
+    putting each line of its stdout (and its stderr with ``stderr``) into the returned queue
+    (and ``log``). The caller stops it with ``stop_group``."""
+    launcher = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if stderr else None,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=read_lines, args=(launcher.stdout, lines, log), daemon=True).start()
+    return launcher, lines
 
 
 def read_lines(stream, out: queue.Queue, log: list[str] | None = None) -> None:

@@ -11,23 +11,25 @@ pinned one elsewhere. Skipped when ``.venv-vllm`` is absent (``make install-vllm
 from __future__ import annotations
 
 import os
-import queue
 import subprocess
 import sys
-import threading
 
 import httpx
 import psutil
 import pytest
-from procs import die_with_parent, free_port, metric, read_lines, stop_group, wait_serving
+from procs import (
+    free_port,
+    metric,
+    skip_without_vllm,
+    start_launcher,
+    stop_group,
+    wait_serving,
+)
 
 from splitserve.cli import build_parser
-from splitserve.cluster.vllm_worker import find_vllm_python, parse_cpus
+from splitserve.cluster.vllm_worker import parse_cpus
 
-try:
-    find_vllm_python()
-except ValueError as e:
-    pytest.skip(f"no vLLM here ({e})", allow_module_level=True)
+skip_without_vllm()
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]  # vLLM starts slowly here
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,18 +56,11 @@ def deployment():
     argv += ["--threads-per-worker", "1", "--policy", "session"]
     argv += ["--dtype", "float32", "--kv-cache-gb", "0.5", "--max-model-len", "2048"]
     argv += ["--ready-timeout", "600"]
-    launcher = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,  # the supervisors report the threads they bind back
-        text=True,
-        env={**os.environ, "SPLITSERVE_API_KEY": KEY},
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-    )
-    lines: queue.Queue[str] = queue.Queue()
     log: list[str] = []
-    threading.Thread(target=read_lines, args=(launcher.stdout, lines, log), daemon=True).start()
+    # stderr too: the supervisors report the threads they bind there
+    launcher, lines = start_launcher(
+        argv, {**os.environ, "SPLITSERVE_API_KEY": KEY}, log=log, stderr=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_serving(launcher, lines, url, timeout=660)

@@ -5,24 +5,17 @@ and vLLM's own key held by the router alone. Skipped without ``.venv-vllm``."""
 from __future__ import annotations
 
 import json
-import queue
 import signal
 import ssl
 import subprocess
 import sys
-import threading
 
 import httpx
 import pytest
-from procs import die_with_parent, stop_group
+from procs import skip_without_vllm, start_launcher, stop_group
 from ray_nodes import RayCluster
 
-from splitserve.cluster.vllm_worker import find_vllm_python
-
-try:
-    find_vllm_python()
-except ValueError as e:
-    pytest.skip(f"no vLLM here ({e})", allow_module_level=True)
+skip_without_vllm()
 pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.timeout(900)]
@@ -43,17 +36,7 @@ def deployment(tmp_path_factory):
         argv += ["--engine", "vllm", "--decode", "1", "--threads-per-worker", "1", "--tls"]
         argv += ["--api-keys", str(keys), "--port", "0", "--dtype", "float32"]
         argv += ["--kv-cache-gb", "0.25", "--max-model-len", "2048", "--ready-timeout", "600"]
-        launcher = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(
-            target=lambda: [lines.put(x) for x in launcher.stdout], daemon=True
-        ).start()
+        launcher, lines = start_launcher(argv)
         verify, url = None, None
         while url is None:
             line = lines.get(timeout=700)

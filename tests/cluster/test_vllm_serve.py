@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import subprocess
 import sys
 import threading
 import time
@@ -19,21 +17,17 @@ import time
 import httpx
 import pytest
 from procs import (
-    die_with_parent,
     free_port,
     kill_vllm_serving,
-    read_lines,
+    skip_without_vllm,
+    start_launcher,
     stop_group,
     wait_serving,
 )
 
-from splitserve.cluster.vllm_worker import find_vllm_python
 from splitserve.common.responses_api import chain_of
 
-try:
-    find_vllm_python()
-except ValueError as e:
-    pytest.skip(f"no vLLM here ({e})", allow_module_level=True)
+skip_without_vllm()
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]  # vLLM starts slowly here
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,16 +66,8 @@ def deployment(tmp_path_factory):
     argv += ["--policy", "kv-events"]  # the session ring until the workers' events say more
     argv += ["--dtype", "float32", "--kv-cache-gb", "0.5", "--max-model-len", "2048"]
     argv += ["--ready-timeout", "600"]
-    launcher = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "SPLITSERVE_API_KEYS": str(keys), "SPLITSERVE_ADMIN_KEY": ADMIN},
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=read_lines, args=(launcher.stdout, lines), daemon=True).start()
+    env = {**os.environ, "SPLITSERVE_API_KEYS": str(keys), "SPLITSERVE_ADMIN_KEY": ADMIN}
+    launcher, lines = start_launcher(argv, env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_serving(launcher, lines, url, timeout=660)

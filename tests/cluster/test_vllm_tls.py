@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import os
 import queue
-import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
-from procs import die_with_parent, free_port, stop_group
+from procs import free_port, skip_without_vllm, start_launcher, stop_group
 
-from splitserve.cluster.vllm_worker import find_vllm_python
 from splitserve.common.tls import client_context
 
-try:
-    find_vllm_python()
-except ValueError as e:
-    pytest.skip(f"no vLLM here ({e})", allow_module_level=True)
+skip_without_vllm()
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ADMIN = "tls-admin-key"
@@ -35,16 +29,7 @@ def test_router_and_vllm_worker_serve_https_verified_by_the_runs_ca():
     argv += ["--port", str(port), "--decode", "1", "--threads-per-worker", "1"]
     argv += ["--dtype", "float32", "--kv-cache-gb", "0.25", "--max-model-len", "1024"]
     argv += ["--ready-timeout", "600"]
-    launcher = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "SPLITSERVE_ADMIN_KEY": ADMIN},
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in launcher.stdout], daemon=True).start()
+    launcher, lines = start_launcher(argv, {**os.environ, "SPLITSERVE_ADMIN_KEY": ADMIN})
     try:
         ca, deadline = None, time.monotonic() + 660
         while ca is None:

@@ -144,6 +144,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def stop_group(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    """SIGTERM the process group of ``proc`` (started with ``start_new_session``), then SIGKILL
+    it if ``proc`` lingers past ``timeout`` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 class StopFlag:
     """A stop request that signal handlers set. ``threading.Event.set`` takes the event's
     lock, which the main thread holds for a moment inside ``Event.wait``: a signal landing

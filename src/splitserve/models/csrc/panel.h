@@ -47,6 +47,34 @@ void micro(const float* x, int64_t xs, const float* panel, int64_t K, const floa
   }
 }
 
+// Rows [0, R) of x times W adjacent full panels (columns [0, 16 W) of y): the same chain for
+// each element as micro<R>, with R x W chains in flight. One row's single chain waits on the
+// last fused multiply-add at every k, which on an AVX2 core holds a decode step's product
+// well below the memory's speed; four panels' chains at once read ~1.3x faster.
+template <int R, int W>
+void micro_wide(const float* x, int64_t xs, const float* panel, int64_t K, const float* bias,
+                float* y, int64_t ys) {
+  Vec acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) acc[r][j] = zero();
+  for (int64_t k = 0; k < K; ++k) {
+    Vec w[W];
+    for (int j = 0; j < W; ++j) w[j] = load(panel + (j * K + k) * kCols);
+    for (int r = 0; r < R; ++r) {
+      const Vec xr = set1(x[r * xs + k]);
+      for (int j = 0; j < W; ++j) acc[r][j] = fmadd(xr, w[j], acc[r][j]);
+    }
+  }
+  if (bias != nullptr) {
+    for (int j = 0; j < W; ++j) {
+      const Vec b = load_first(first_lanes(kCols), bias + j * kCols);
+      for (int r = 0; r < R; ++r) acc[r][j] = add(acc[r][j], b);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) storeu(y + r * ys + j * kCols, acc[r][j]);
+}
+
 using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t,
                          int64_t);
 constexpr MicroFn kMicro[kRows + 1] = {nullptr,   micro<1>, micro<2>, micro<3>,
@@ -57,6 +85,23 @@ constexpr MicroFn kMicro[kRows + 1] = {nullptr,   micro<1>, micro<2>, micro<3>,
 inline void product(const float* x, int64_t M, int64_t K, const float* panels, int64_t P, int64_t N,
                     const float* bias, float* y) {
   if (M == 0) return;
+  if (M <= 3) {  // a few rows: several panels at a time (micro_wide), same chains
+    using WideFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t);
+    const WideFn wide = M == 1 ? micro_wide<1, 4> : M == 2 ? micro_wide<2, 2> : micro_wide<3, 2>;
+    const int64_t W = M == 1 ? 4 : 2, full = N / kCols;  // panels of 16 columns
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+      int64_t p = begin;
+      for (; p + W <= std::min(end, full); p += W)
+        wide(x, K, panels + p * K * kCols, K, bias == nullptr ? nullptr : bias + p * kCols,
+             y + p * kCols, N);
+      for (; p < end; ++p) {
+        const int64_t col = p * kCols;
+        kMicro[M](x, K, panels + p * K * kCols, K, bias == nullptr ? nullptr : bias + col, y + col, N,
+                  std::min(kCols, N - col));
+      }
+    });
+    return;
+  }
   const int64_t block = std::max<int64_t>(kRows, kBlockFloats / K / kRows * kRows);
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += block) {
