@@ -97,29 +97,28 @@ def bench_hf(
     return len(prompts) * output_len / (time.perf_counter() - start)
 
 
+def best_time(fn, repeats: int = 5) -> float:
+    """The shortest of ``repeats`` timed calls of ``fn``, after one untimed."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes moved per second (read + write) by a large tensor copy: the practical roofline."""
+    """Bytes moved per second (read + write) by a large tensor copy."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
+    return 2 * nbytes / best_time(lambda: dst.copy_(src))
 
 
 def read_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes read per second by a large tensor sum: the roofline of a step that only reads."""
+    """Bytes read per second by a large tensor sum."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
-    src.sum()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
+    return nbytes / best_time(src.sum)
 
 
 def panel_stream_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -134,26 +133,14 @@ def panel_stream_bandwidth(nbytes: int = 1 << 30) -> float:
     k = 576
     panels = panel_linear.pack(torch.ones(nbytes // 4 // k // 16 * 16, k))
     x = torch.ones(1, k)
-    panel_linear.linear(x, panels)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        panel_linear.linear(x, panels)
-        best = min(best, time.perf_counter() - t)
-    return panels.numel() * 4 / best
+    return panels.numel() * 4 / best_time(lambda: panel_linear.linear(x, panels))
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048) -> float:
     """FLOP/s of a large square matmul in ``dtype`` (bfloat16 runs on AMX where the CPU has
     it): the peak the model's prefill is held against, in the dtype it runs in."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+    return 2 * n**3 / best_time(lambda: torch.mm(a, b))
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
