@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from splitserve.cluster.local import free_port, stop_group
+from splitserve.cluster.local import free_port, healthy, stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 # The parent of 746d61a, the first commit of the engine-vs-vLLM work (--dtype auto).
@@ -97,24 +97,17 @@ def first_answer(
         "temperature": 0,
     }
     deadline = start + timeout
-    times: dict[str, float] = {}
-    with httpx.Client(timeout=timeout) as client:
-        while "ready" not in times:
-            if proc.poll() is not None:
-                raise SystemExit(f"serve exited with {proc.returncode} before it was ready")
-            if time.perf_counter() > deadline:
-                raise SystemExit(f"serve not ready in {timeout:.0f} s")
-            try:
-                if client.get(f"{url}/health").status_code == 200:
-                    times["ready"] = time.perf_counter() - start
-            except httpx.TransportError:
-                time.sleep(0.05)
-                continue
-            time.sleep(0.05)
-        reply = client.post(f"{url}/v1/chat/completions", json=body)
-        if reply.status_code != 200:
-            raise SystemExit(f"serve answered {reply.status_code}: {reply.text}")
-        times["answer"] = time.perf_counter() - start
+    while not healthy(url):
+        if proc.poll() is not None:
+            raise SystemExit(f"serve exited with {proc.returncode} before it was ready")
+        if time.perf_counter() > deadline:
+            raise SystemExit(f"serve not ready in {timeout:.0f} s")
+        time.sleep(0.05)
+    times = {"ready": time.perf_counter() - start}
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
+    if reply.status_code != 200:
+        raise SystemExit(f"serve answered {reply.status_code}: {reply.text}")
+    times["answer"] = time.perf_counter() - start
     return times
 
 

@@ -17,7 +17,6 @@ import json
 import os
 import random
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from router_peer import cpu_description  # noqa: E402
 
-from splitserve.cluster.local import free_port  # noqa: E402
+from splitserve.cluster.local import free_port, stop_group  # noqa: E402
 
 KEYS = {"alice": "sk-alice", "bob": "sk-bob"}
 
@@ -55,16 +54,6 @@ def start_worker(keys: Path, threads: int) -> tuple[str, subprocess.Popen]:
         time.sleep(0.2)
     proc.kill()
     raise SystemExit("the worker did not become healthy in 300 s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the worker's process group; SIGKILL it if it has not gone in 60 s."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
 
 
 def ttft(client: httpx.Client, url: str, who: str, prompt: list[int]) -> tuple[float, int]:
@@ -132,7 +121,7 @@ def main() -> None:
                         times[name].append(t)
                         cached[name].append(c)
         finally:
-            stop(proc)
+            stop_group(proc, timeout=60)
     for name, xs in times.items():
         print(summary(name, xs), f"  cached_tokens max {max(cached[name])}")
     bob, miss, hit = (statistics.median(times[n]) for n in ("bob", "alice miss", "alice hit"))
