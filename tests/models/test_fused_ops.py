@@ -82,6 +82,27 @@ def test_silu_mul_matches_torch_over_the_whole_range(width):
     assert torch.equal(got, alone)
 
 
+@pytest.mark.parametrize("width", [49152, 1025, 17, 1])  # a vocabulary, chunk and lane tails
+def test_argmax_gives_torchs_index_ties_nans_and_infinities_included(width):
+    x = rand(8, width, seed=11)
+    ints = torch.randint(-2, 3, (8, width), generator=torch.Generator().manual_seed(12)).float()
+    assert torch.equal(fused_ops.argmax(x), x.argmax(-1))
+    assert torch.equal(fused_ops.argmax(ints), ints.argmax(-1))  # many equal maxima
+    if width < 17:
+        return
+    odd = -torch.ones(9, width)
+    odd[0, [3, width - 1]] = 2.0  # equal maxima: the first
+    odd[1, [5, width - 2]] = torch.tensor([-0.0, 0.0])  # equal zeros of both signs
+    odd[2, [1, width - 1]] = torch.tensor([5.0, float("nan")])  # a NaN beats any number
+    odd[3] = float("-inf")
+    odd[4, [7, 8]] = float("inf")
+    odd[5, [width - 2, 6]] = float("nan")  # the first NaN
+    odd[6] = float("nan")
+    odd[7, 0] = float("-inf")
+    odd[8, width - 1] = 1.0  # in the tail past the last full vector
+    assert torch.equal(fused_ops.argmax(odd), odd.argmax(-1))
+
+
 def test_bad_input_is_refused():
     w = torch.ones(8)
     with pytest.raises(RuntimeError, match="x: contiguous float32"):
@@ -97,3 +118,5 @@ def test_bad_input_is_refused():
         )  # fmt: skip
     with pytest.raises(RuntimeError, match="gate_up"):
         fused_ops.silu_mul(torch.ones(2, 7))
+    with pytest.raises(RuntimeError, match="n >= 1"):
+        torch.ops.splitserve.argmax_rows(torch.ones(2, 0))

@@ -294,8 +294,10 @@ class ModelRunner:
         logits = self._fused_logits(plan)
         if not rows:
             return StepResult()
+        if len(rows) < len(plan.chunks):
+            logits = logits[rows]
         with torch.inference_mode(), self._threads_for(1, fused=True):
-            return self._sample(logits[rows], chunks, masks)
+            return self._sample(logits, chunks, masks)
 
     def _fused_logits(self, plan: StepPlan) -> torch.Tensor:
         """Logits of a decode-only step (one row per chunk, in plan order) on the fused path."""

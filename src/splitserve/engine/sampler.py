@@ -15,6 +15,7 @@ import torch
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.plan import TokenLogprobs
+from splitserve.models.fused_ops import argmax
 
 _SEED_MIX = 1_000_003
 _SEED_MASK = (1 << 63) - 1
@@ -33,7 +34,7 @@ def sample(
             f"sample: {logits.shape[0]} logit rows for {len(params)} params and "
             f"{len(num_output_tokens)} output counts"
         )
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         picked = [params[i] for i in rows]
@@ -59,7 +60,7 @@ def _sample_rows(
         )
     probs = logits.softmax(dim=-1)
     noise = _exponential_noise(probs, params, counts)
-    return (probs / noise).argmax(dim=-1)
+    return argmax(probs / noise)
 
 
 def apply_top_k_top_p(

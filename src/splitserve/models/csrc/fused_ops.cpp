@@ -15,6 +15,7 @@
 namespace {
 
 constexpr int64_t kGrainRows = 64;  // rows per thread before a second thread joins
+constexpr int64_t kArgmaxGrainRows = 4;  // a vocabulary-wide row is ~50x a hidden-wide one
 
 void check_rows(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
@@ -103,6 +104,20 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
+// x [rows, n], n >= 1: each row's argmax as torch.argmax(x, -1) gives it, int64 [rows].
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) > 0,
+              "x: contiguous float32 [rows, n] with n >= 1");
+  const int64_t T = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({T}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, T, kArgmaxGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) op[t] = rows::argmax_row(xp + t * n, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitserve, m) {
@@ -111,6 +126,7 @@ TORCH_LIBRARY_FRAGMENT(splitserve, m) {
   m.def("rope_write_kv_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor slots, int heads, int kv_heads) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitserve, CPU, m) {
@@ -118,4 +134,5 @@ TORCH_LIBRARY_IMPL(splitserve, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_write_kv_", &rope_write_kv_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }

@@ -6,11 +6,13 @@
 //                  the sign of rotate_half folded into sin), then k and v into their slot of
 //                  the paged caches
 //   silu_mul_row:  y = silu(gate) * up
+//   argmax_row:    the index of the largest element (greedy sampling)
 //
 // A row's sum of squares runs in 16-float vectors over its columns in order, then one fixed
 // lane-sum tree: its result depends on the row alone, never on the batch or the threads.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -74,6 +76,52 @@ inline void silu_mul_row(const float* gate, const float* up, int64_t n, float* y
     const Vec s = div(select_nonnegative(g, g, mul(g, e)), add(one, e));
     store_n(y + c, n - c, mul(s, load_first(m, up + c)));
   }
+}
+
+// The index of x's largest element, the first among equals, a NaN counting as the largest:
+// torch.argmax's answer. One vector pass over chunks of 1,024 finds the largest value (NaNs
+// skipped) and the first chunk holding it, and notes whether any element is NaN or infinite
+// (x - x is NaN for those); then that chunk is searched for the value. A row with a NaN or an
+// infinity takes one plain pass instead.
+inline int64_t argmax_row(const float* x, int64_t n) {
+  constexpr int64_t kChunk = 1024;
+  float top = -__builtin_inff();
+  int64_t from = 0;
+  Vec spread = zero();
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const int64_t c1 = std::min(n, c0 + kChunk), full = c0 + (c1 - c0) / kLanes * kLanes;
+    Vec best[2] = {set1(-__builtin_inff()), set1(-__builtin_inff())};
+    int64_t c = c0;
+    for (; c + 2 * kLanes <= full; c += 2 * kLanes) {
+      for (int j = 0; j < 2; ++j) {
+        const Vec v = loadu(x + c + j * kLanes);
+        best[j] = max(v, best[j]);  // the second operand where either is NaN
+        spread = add(spread, sub(v, v));
+      }
+    }
+    for (; c < full; c += kLanes) {
+      const Vec v = loadu(x + c);
+      best[0] = max(v, best[0]);
+      spread = add(spread, sub(v, v));
+    }
+    float chunk_top = reduce_max(max(best[0], best[1]));
+    for (; c < c1; ++c) {
+      chunk_top = x[c] > chunk_top ? x[c] : chunk_top;
+      spread = add(spread, set1(x[c] - x[c]));
+    }
+    if (chunk_top > top) top = chunk_top, from = c0;
+  }
+  if (std::isnan(reduce_add(spread))) {
+    int64_t at = 0;
+    for (int64_t c = 0; c < n; ++c) {
+      if (std::isnan(x[c])) return c;
+      if (x[c] > x[at]) at = c;
+    }
+    return at;
+  }
+  for (int64_t c = from; c < n; ++c)
+    if (x[c] == top) return c;
+  return 0;  // not reached: top is one of the elements
 }
 
 }  // namespace rows
