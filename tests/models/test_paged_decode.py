@@ -90,9 +90,9 @@ def test_available_only_for_cpu_caches_it_can_read():
 @pytest.mark.parametrize(
     ("block", "kv_heads", "heads", "head_dim", "lens"),
     [
-        (16, 3, 9, 64, [1, 15, 16, 17, 100, 296]),  # the default model's shape
-        (32, 2, 16, 128, [31, 33, 64, 200]),  # two spans of 16 in a block, 8 heads a group
-        (8, 4, 4, 32, [3, 8, 9, 50]),  # blocks shorter than a span, no GQA
+        (16, 3, 9, 64, [1, 15, 16, 17, 100, 296, 700]),  # the default model's shape
+        (32, 2, 16, 128, [31, 33, 64, 200, 1000]),  # two spans of 16 in a block, 8 heads a group
+        (8, 4, 4, 32, [3, 8, 9, 50, 515]),  # blocks shorter than a span, no GQA
         (16, 1, 6, 16, [70]),  # one kv head for all
     ],
 )
@@ -116,11 +116,13 @@ def test_native_kernel_on_other_shapes(block, kv_heads, heads, head_dim, lens, d
     got = paged_decode.decode_attention(q, kc, vc, tables, lens_np, head_dim**-0.5, 2)
     expected = torch_path(q, kc, vc, tables, lens)
     assert (got.float() - expected.float()).abs().max().item() < TOL[dtype]
+    # Alone, a long sequence's few kv heads are split over the threads by positions and columns.
     for r in range(len(lens)):
-        alone = paged_decode.decode_attention(
-            q[r : r + 1], kc, vc, tables[r : r + 1], lens_np[r : r + 1], head_dim**-0.5, 1
-        )
-        assert torch.equal(alone[0], got[r]), r
+        for threads in (1, 2, 4):
+            alone = paged_decode.decode_attention(
+                q[r : r + 1], kc, vc, tables[r : r + 1], lens_np[r : r + 1], head_dim**-0.5, threads
+            )
+            assert torch.equal(alone[0], got[r]), (r, threads)
 
 
 def test_native_kernel_turns_off_with_a_reason(monkeypatch, tmp_path):

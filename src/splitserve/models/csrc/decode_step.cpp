@@ -55,7 +55,7 @@ struct DecodeModel : torch::CustomClassHolder {
   Product lm_head;
   int64_t layers, heads, kv_heads, head_dim, hidden, inter, vocab;
   float eps, scale;
-  attn::AttendFn<float> attend;
+  attn::DecodeFn<float> attend;
 
   DecodeModel(std::vector<at::Tensor> weights, at::Tensor embed_t, at::Tensor final_norm_t,
               at::Tensor lm_head_t, std::vector<int64_t> dims, double eps_, double scale_)
@@ -69,7 +69,7 @@ struct DecodeModel : torch::CustomClassHolder {
     TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= attn::kMaxGroup &&
                     head_dim % (2 * rows::kLanes) == 0,
                 "at most 8 query heads per kv head and head_dim a multiple of 32");
-    attend = attn::attend_fn<float>(head_dim);
+    attend = attn::decode_fn<float>(head_dim);
     TORCH_CHECK(attend != nullptr, "head_dim: 32, 64, 96, 128 or 256");
     const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
     embed = vector(embed_t, vocab * hidden, "embed");
@@ -154,8 +154,6 @@ struct DecodeModel : torch::CustomClassHolder {
     float* cache = kv_cache.data_ptr<float>();
     const int64_t layer_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
     const attn::Layout lay{bs, kv_cache.stride(2), kv_cache.stride(3), hd, g};
-    const int64_t longest = *std::max_element(lp, lp + n);
-    const size_t score_floats = g * ((longest + attn::kLanes - 1) / attn::kLanes * attn::kLanes);
 
     for (int64_t l = 0; l < layers; ++l) {
       float* kc = cache + l * layer_stride;
@@ -168,14 +166,7 @@ struct DecodeModel : torch::CustomClassHolder {
         rows::rope_row(qkvb.data() + r * qkv_width, cp + r * hd, snp + r * hd, heads, kv_heads, hd,
                        kc, vc, sp[r]);
       });
-      at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(score_floats);
-        for (int64_t item = begin; item < end; ++item) {
-          const int64_t r = item / kv_heads, kh = item % kv_heads;
-          attend(qkvb.data() + r * qkv_width + kh * g * hd, q, 1, lp[r], kc, vc, tp + r * width, kh,
-                 scale, lay, scores.data(), att.data() + r * q + kh * g * hd);
-        }
-      });
+      attend(qkvb.data(), qkv_width, att.data(), q, n, lp, kc, vc, tp, width, kv_heads, scale, lay);
       run(o[l], att.data(), n, d.data());
       each_row(n, [&](int64_t r) {
         rows::add_norm_row(x.data() + r * hidden, d.data() + r * hidden, post_norm[l], hidden, eps,

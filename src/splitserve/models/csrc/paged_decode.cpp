@@ -48,19 +48,10 @@ Caches check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 template <typename T>
 void decode_rows(const at::Tensor& q, const Caches& c, int64_t kvh, const int64_t* tables,
                  int64_t width, const int64_t* lens, float scale, at::Tensor& out) {
-  const int64_t n = q.size(0), h = q.size(1), hd = q.size(2), g = c.lay.group;
-  const AttendFn<T> fn = attend_fn<T>(hd);
-  at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kvh, kh = item % kvh, length = lens[r];
-      scores.resize(static_cast<size_t>(g * ((length + kLanes - 1) / kLanes * kLanes)));
-      const int64_t row = (r * h + kh * g) * hd;
-      fn(q.data_ptr<float>() + row, h * hd, 1, length, static_cast<const T*>(c.k),
-         static_cast<const T*>(c.v), tables + r * width, kh, scale, c.lay, scores.data(),
-         out.data_ptr<float>() + row);
-    }
-  });
+  const int64_t h = q.size(1), hd = q.size(2);
+  attn::decode_fn<T>(hd)(q.data_ptr<float>(), h * hd, out.data_ptr<float>(), h * hd, q.size(0), lens,
+                         static_cast<const T*>(c.k), static_cast<const T*>(c.v), tables, width, kvh,
+                         scale, c.lay);
 }
 
 template <typename T>
