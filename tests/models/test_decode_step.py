@@ -85,9 +85,7 @@ def test_bad_input_is_refused_before_the_cache_is_touched(runners):
     step, cache = native_step.fused, native_step.kv_cache
     before = cache.clone()
     ok = dict(slots=np.array([5]), block_tables=np.array([[1, 2]]), context_lens=np.array([6]))
-    call = lambda ids, **kw: step.forward(  # noqa: E731
-        torch.tensor(ids), torch.tensor([5]), **{**ok, **kw}, threads=1
-    )
+    call = lambda ids, **kw: step.forward(torch.tensor(ids), **{**ok, **kw}, threads=1)  # noqa: E731
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
         call([256])
     with pytest.raises(RuntimeError, match="slot .* outside the cache"):
@@ -96,8 +94,24 @@ def test_bad_input_is_refused_before_the_cache_is_touched(runners):
         call([3], context_lens=np.array([9]))
     with pytest.raises(RuntimeError, match="block outside the cache"):
         call([3], block_tables=np.array([[1, cache.shape[2]]]))
+    cos, sin = step.rope_tables(6)
+    with pytest.raises(RuntimeError, match="past the RoPE tables"):
+        step.impl.step(
+            torch.tensor([3]), cos[:5], sin[:5], torch.tensor([5]), torch.tensor([[1, 2]]),
+            torch.tensor([6]), cache,
+        )  # fmt: skip
     assert torch.equal(cache, before)
     assert call([3]).shape == (1, 256)
+
+
+def test_rope_tables_hold_the_rows_rotary_gives_each_position_alone(runners):
+    step = runners[1].fused
+    first = step.rope_tables(1)[0].shape[0]
+    cos, sin = step.rope_tables(first + 1)  # grown
+    assert cos.shape[0] > first
+    for p in (0, 1, 17, first - 1, first, cos.shape[0] - 1):
+        alone_cos, alone_sin = step.model.rotary(torch.tensor([p]), torch.float32)
+        assert torch.equal(cos[p], alone_cos[0, 0]) and torch.equal(sin[p], alone_sin[0, 0]), p
 
 
 def test_models_it_does_not_take_keep_another_path(tmp_path_factory, hf_model_factory, caplog):

@@ -313,9 +313,7 @@ class ModelRunner:
         with torch.inference_mode(), self._threads_for(1, fused=True):
             threads = self.core_share.threads(self.threads) if small else self.threads
             start = time.perf_counter()
-            logits = self.fused.forward(
-                input_ids, torch.from_numpy(lens - 1), slots, tables, lens, threads
-            )
+            logits = self.fused.forward(input_ids, slots, tables, lens, threads)
             if small:
                 self.core_share.record(threads, self.threads, time.perf_counter() - start)
             return logits

@@ -17,6 +17,8 @@ import torch
 
 from splitserve.models import native, paged_decode
 
+ROPE_TABLE_MIN = 1024  # positions in the first RoPE tables
+
 
 def unavailable_reason(model: torch.nn.Module) -> str | None:
     """Why this path cannot run ``model`` (its weights as they are packed now), or None."""
@@ -61,6 +63,8 @@ class DecodeStep:
                 mlp.down_proj.packed,
             ]
         self.model = model
+        # RoPE tables of positions [0, P), grown as contexts grow (see rope_tables).
+        self._cos = self._sin = torch.empty(0, cfg.head_dim)
         self.impl = torch.classes.splitserve.DecodeModel(
             [w.detach() for w in weights],
             model.embed_tokens.detach(),
@@ -74,18 +78,16 @@ class DecodeStep:
     def forward(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
         slots: np.ndarray,
         block_tables: np.ndarray,
         context_lens: np.ndarray,
         threads: int,
     ) -> torch.Tensor:
-        """Float32 logits ``[n, vocab]`` of ``n`` single-token sequences, each at
-        ``positions[r]`` (== ``context_lens[r] - 1``) with its K/V written to ``slots[r]`` of
-        the model's bound cache; ``block_tables`` ``[n, w]`` int64 covers every context. Runs
-        on ``threads`` intra-op threads."""
-        model = self.model
-        cos, sin = model.rotary(positions, torch.float32)  # [n, 1, hd], the torch path's tables
+        """Float32 logits ``[n, vocab]`` of ``n`` single-token sequences, each at position
+        ``context_lens[r] - 1`` with its K/V written to ``slots[r]`` of the model's bound cache;
+        ``block_tables`` ``[n, w]`` int64 covers every context. Runs on ``threads`` intra-op
+        threads."""
+        cos, sin = self.rope_tables(int(context_lens.max()))
         with native.intra_op_threads(threads):
             return self.impl.step(
                 input_ids,
@@ -94,5 +96,17 @@ class DecodeStep:
                 torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)),
                 torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int64)),
                 torch.from_numpy(np.ascontiguousarray(context_lens, dtype=np.int64)),
-                model.kv_cache,
+                self.model.kv_cache,
             )
+
+    def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and signed ``sin`` ``[P, head_dim]`` of positions ``[0, P)``, ``P >=
+        length``: the model's ``Rotary`` run once over the range, whose rows are the ones it
+        gives each position alone (tested), so the step indexes them instead of running it per
+        step. Grown by doubling."""
+        if self._cos.shape[0] < length:
+            size = max(length, 2 * self._cos.shape[0], ROPE_TABLE_MIN)
+            with torch.inference_mode():
+                cos, sin = self.model.rotary(torch.arange(size), torch.float32)
+            self._cos, self._sin = cos.view(size, -1), sin.view(size, -1)
+        return self._cos, self._sin

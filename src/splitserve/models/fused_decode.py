@@ -128,17 +128,17 @@ class FusedDecoder:
     def forward(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
         slots: np.ndarray,
         block_tables: np.ndarray,
         context_lens: np.ndarray,
         threads: int,
     ) -> torch.Tensor:
-        """Float32 logits ``[n, vocab]`` of ``n`` single-token sequences, each at ``positions[r]``
-        (== ``context_lens[r] - 1``) with its k/v written to ``slots[r]`` of the model's bound
-        cache; ``block_tables`` ``[n, w]`` int64 covers every context (padding is never read).
+        """Float32 logits ``[n, vocab]`` of ``n`` single-token sequences, each at position
+        ``context_lens[r] - 1`` with its k/v written to ``slots[r]`` of the model's bound cache;
+        ``block_tables`` ``[n, w]`` int64 covers every context (padding is never read).
         """
         model = self.model
+        positions = torch.from_numpy(np.asarray(context_lens, dtype=np.int64) - 1)
         cos, sin = model.rotary(positions, torch.float32)  # [n, 1, hd], HF's exact tables
         x = model.embed_tokens.index_select(0, input_ids).numpy()
         kv = _np(model.kv_cache)

@@ -112,9 +112,10 @@ struct DecodeModel : torch::CustomClassHolder {
     panel::product(x, n, p.in, p.panels, p.count, p.out, p.bias, y);
   }
 
-  // ids [n]: each sequence's new token; cos, sin [n, 1, head_dim] for its position; slots [n]:
-  // where its K/V go; tables [n, w], lens [n]: its blocks and its length with the new token.
-  // kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim]. Returns logits [n, vocab].
+  // ids [n]: each sequence's new token; cos, sin [P, head_dim]: the RoPE tables of positions
+  // [0, P), of which a sequence takes row lens - 1; slots [n]: where its K/V go; tables [n, w],
+  // lens [n]: its blocks and its length with the new token. kv_cache [layers, 2, blocks,
+  // block_size, kv_heads, head_dim]. Returns logits [n, vocab].
   at::Tensor step(at::Tensor ids, at::Tensor cos, at::Tensor sin, at::Tensor slots,
                   at::Tensor tables, at::Tensor lens, at::Tensor kv_cache) {
     const int64_t n = ids.numel(), hd = head_dim;
@@ -124,9 +125,10 @@ struct DecodeModel : torch::CustomClassHolder {
                     tables.is_contiguous() && tables.dim() == 2 && tables.size(0) == n,
                 "ids, slots, lens [n] and tables [n, w]: contiguous int64");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-                    cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * hd &&
-                    sin.numel() == n * hd,
-                "cos, sin: contiguous float32 [n, 1, head_dim]");
+                    cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                    cos.size(1) == hd && sin.sizes() == cos.sizes(),
+                "cos, sin: contiguous float32 [positions, head_dim]");
+    const int64_t positions = cos.size(0);
     TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() &&
                     kv_cache.dim() == 6 && kv_cache.size(0) == layers && kv_cache.size(1) == 2 &&
                     kv_cache.size(4) == kv_heads && kv_cache.size(5) == hd,
@@ -138,6 +140,7 @@ struct DecodeModel : torch::CustomClassHolder {
       TORCH_CHECK(idp[r] >= 0 && idp[r] < vocab, "token id ", idp[r], " outside the vocabulary");
       TORCH_CHECK(sp[r] >= 0 && sp[r] < blocks * bs, "slot ", sp[r], " outside the cache");
       TORCH_CHECK(lp[r] >= 1 && lp[r] <= width * bs, "length ", lp[r], " outside its block table");
+      TORCH_CHECK(lp[r] <= positions, "length ", lp[r], " past the RoPE tables");
       for (int64_t b = 0; b < (lp[r] + bs - 1) / bs; ++b)
         TORCH_CHECK(tp[r * width + b] >= 0 && tp[r * width + b] < blocks, "block outside the cache");
     }
@@ -163,8 +166,8 @@ struct DecodeModel : torch::CustomClassHolder {
       });
       run(qkv[l], h.data(), n, qkvb.data());
       each_row(n, [&](int64_t r) {
-        rows::rope_row(qkvb.data() + r * qkv_width, cp + r * hd, snp + r * hd, heads, kv_heads, hd,
-                       kc, vc, sp[r]);
+        rows::rope_row(qkvb.data() + r * qkv_width, cp + (lp[r] - 1) * hd, snp + (lp[r] - 1) * hd,
+                       heads, kv_heads, hd, kc, vc, sp[r]);
       });
       attend(qkvb.data(), qkv_width, att.data(), q, n, lp, kc, vc, tp, width, kv_heads, scale, lay);
       run(o[l], att.data(), n, d.data());
