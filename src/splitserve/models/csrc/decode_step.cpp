@@ -9,7 +9,7 @@
 // table (GQA), output product (+ bias), residual add and RMSNorm, gate/up product, SiLU * up,
 // down product, residual add. Then the final RMSNorm and the output projection. Products and
 // attention go over torch's intra-op threads, and so do the elementwise steps once a step has
-// many rows (a few rows cost less than waking a thread).
+// more rows than rows::grain gives one thread (a few rows cost less than waking a thread).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -28,12 +28,10 @@
 
 namespace {
 
-constexpr int64_t kGrainRows = 64;  // as fused_ops.cpp: rows per thread before a second joins
-
-// fn(r) for every row r < n.
+// fn(r) for every row r < n of `width` floats.
 template <typename F>
-void each_row(int64_t n, const F& fn) {
-  at::parallel_for(0, n, kGrainRows, [&](int64_t begin, int64_t end) {
+void each_row(int64_t n, int64_t width, const F& fn) {
+  at::parallel_for(0, n, rows::grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) fn(r);
   });
 }
@@ -150,7 +148,7 @@ struct DecodeModel : torch::CustomClassHolder {
     const int64_t q = heads * hd, kv = kv_heads * hd, qkv_width = q + 2 * kv, g = heads / kv_heads;
     std::vector<float> x(n * hidden), h(n * hidden), d(n * hidden), qkvb(n * qkv_width), att(n * q),
         gu(n * 2 * inter), act(n * inter);
-    each_row(n, [&](int64_t r) {
+    each_row(n, hidden, [&](int64_t r) {
       std::memcpy(x.data() + r * hidden, embed + idp[r] * hidden, hidden * sizeof(float));
     });
     const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
@@ -161,31 +159,31 @@ struct DecodeModel : torch::CustomClassHolder {
     for (int64_t l = 0; l < layers; ++l) {
       float* kc = cache + l * layer_stride;
       float* vc = kc + kv_stride;
-      each_row(n, [&](int64_t r) {
+      each_row(n, hidden, [&](int64_t r) {
         rows::norm_row(x.data() + r * hidden, in_norm[l], hidden, eps, h.data() + r * hidden);
       });
       run(qkv[l], h.data(), n, qkvb.data());
-      each_row(n, [&](int64_t r) {
+      each_row(n, qkv_width, [&](int64_t r) {
         rows::rope_row(qkvb.data() + r * qkv_width, cp + (lp[r] - 1) * hd, snp + (lp[r] - 1) * hd,
                        heads, kv_heads, hd, kc, vc, sp[r]);
       });
       attend(qkvb.data(), qkv_width, att.data(), q, n, lp, kc, vc, tp, width, kv_heads, scale, lay);
       run(o[l], att.data(), n, d.data());
-      each_row(n, [&](int64_t r) {
+      each_row(n, hidden, [&](int64_t r) {
         rows::add_norm_row(x.data() + r * hidden, d.data() + r * hidden, post_norm[l], hidden, eps,
                            h.data() + r * hidden);
       });
       run(gate_up[l], h.data(), n, gu.data());
-      each_row(n, [&](int64_t r) {
+      each_row(n, 2 * inter, [&](int64_t r) {
         rows::silu_mul_row(gu.data() + r * 2 * inter, gu.data() + r * 2 * inter + inter, inter,
                            act.data() + r * inter);
       });
       run(down[l], act.data(), n, d.data());
-      each_row(n, [&](int64_t r) {
+      each_row(n, hidden, [&](int64_t r) {
         for (int64_t i = r * hidden; i < (r + 1) * hidden; ++i) x[i] += d[i];
       });
     }
-    each_row(n, [&](int64_t r) {
+    each_row(n, hidden, [&](int64_t r) {
       rows::norm_row(x.data() + r * hidden, final_norm, hidden, eps, h.data() + r * hidden);
     });
     run(lm_head, h.data(), n, logits.data_ptr<float>());

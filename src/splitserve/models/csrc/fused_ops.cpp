@@ -1,6 +1,5 @@
 // The torch ops over rows.h (models/fused_ops.py), float32. Rows go over torch's intra-op
-// threads only when there are many of them (a decode step's few rows cost less than waking
-// a thread).
+// threads once their work outweighs waking a thread (rows::grain).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -14,8 +13,6 @@
 
 namespace {
 
-constexpr int64_t kGrainRows = 64;  // rows per thread before a second thread joins
-constexpr int64_t kArgmaxGrainRows = 4;  // a vocabulary-wide row is ~50x a hidden-wide one
 
 void check_rows(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
@@ -31,7 +28,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t n = x.size(1);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kGrainRows, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, x.size(0), rows::grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       rows::norm_row(xp + r * n, wp, n, static_cast<float>(eps), yp + r * n);
   });
@@ -47,7 +44,7 @@ at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& d, const at::Tensor& w
   float* xp = x.data_ptr<float>();
   const float *dp = d.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kGrainRows, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, x.size(0), rows::grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       rows::add_norm_row(xp + r * n, dp + r * n, wp, n, static_cast<float>(eps), yp + r * n);
   });
@@ -83,7 +80,7 @@ void rope_write_kv_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
   const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
   float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
   const int64_t width = qkv.size(1);
-  at::parallel_for(0, T, kGrainRows, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T, rows::grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       rows::rope_row(qp + t * width, cp + t * hd, snp + t * hd, heads, kv_heads, hd, kc, vc, sp[t]);
   });
@@ -98,7 +95,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor y = at::empty({T, n}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, kGrainRows, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T, rows::grain(2 * n), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) rows::silu_mul_row(gp + t * 2 * n, gp + t * 2 * n + n, n, yp + t * n);
   });
   return y;
@@ -112,7 +109,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   at::Tensor out = at::empty({T}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, T, kArgmaxGrainRows, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T, rows::grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) op[t] = rows::argmax_row(xp + t * n, n);
   });
   return out;

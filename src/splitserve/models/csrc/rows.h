@@ -24,6 +24,10 @@ using namespace vec16;
 
 constexpr int64_t kLanes = 16;
 
+// Rows of `width` floats per thread before a second thread joins: waking one costs about what
+// a few thousand floats' elementwise work does.
+inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 4096 / std::max<int64_t>(1, width)); }
+
 inline void norm_row(const float* x, const float* w, int64_t n, float eps, float* y) {
   Vec acc = zero();
   for (int64_t c = 0; c < n; c += kLanes) {
