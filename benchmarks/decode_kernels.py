@@ -23,6 +23,9 @@ model's shape (``--seqs`` sequences of ``--context`` cached tokens, random K/V):
 the C++ kernel (its AVX-512 or AVX2 build, ``models/native.py``), alternating, the minimum of 15
 calls per round.
 
+``--argmax`` times the greedy pick over vocabulary-wide float32 logits at 1, 16 and 64 rows:
+``torch.argmax`` against the C++ one of ``models.fused_ops.argmax``, alternating.
+
 ``--products`` times the float32 weight products alone, on the bundled model's shapes
 (one layer's four, and the output projection): MKL on the plain weight (``F.linear``), oneDNN
 on its blocked copy, and the C++ panels, at 1 to 1,024 rows, alternating, the minimum of a
@@ -31,6 +34,7 @@ few calls per round.
     python benchmarks/decode_kernels.py [--seqs 16] [--context 256] [--dtype bfloat16] [--threads 1]
     python benchmarks/decode_kernels.py --layer --seqs 64 --context 296 --dtype float32
     python benchmarks/decode_kernels.py --products --threads 2
+    python benchmarks/decode_kernels.py --argmax --threads 2
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layer", action="store_true", help="time the attention kernels alone")
     p.add_argument("--products", action="store_true", help="time the float32 products alone")
+    p.add_argument("--argmax", action="store_true", help="time the greedy pick over the logits")
     return p.parse_args()
 
 
@@ -207,6 +212,32 @@ def products(args: argparse.Namespace) -> None:
         print(f"{rows:5d} rows, one layer's four products: {sums}{ratio}")
 
 
+def greedy_picks(args: argparse.Namespace) -> None:
+    """torch.argmax against the C++ argmax over vocabulary-wide logits, alternating."""
+    from splitserve.models import fused_ops
+
+    torch.set_num_threads(args.threads)
+    off = native.load("fused_ops")
+    print(f"CPU: {cpu_description()}")
+    print(f"float32 logits [rows, {LM_HEAD[1]}], {args.threads} thread(s); C++: {off or 'built'}")
+    if off is not None:
+        return
+    gen = torch.Generator().manual_seed(args.seed)
+    for rows in (1, 16, 64):
+        logits = torch.randn(rows, LM_HEAD[1], generator=gen)
+        ways = {"torch": lambda x: x.argmax(dim=-1), "C++": fused_ops.argmax}
+        best: dict[str, list[float]] = {k: [] for k in ways}
+        for _ in range(args.rounds + 1):  # the first round warms up
+            for k, f in ways.items():
+                start = time.perf_counter()
+                for _ in range(20):
+                    f(logits)
+                best[k].append((time.perf_counter() - start) / 20)
+        t = {k: min(v[1:]) for k, v in best.items()}
+        cells = " | ".join(f"{k} {v * 1e3:.3f} ms" for k, v in t.items())
+        print(f"{rows:3d} rows: {cells}, {t['torch'] / t['C++']:.1f}x")
+
+
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
@@ -215,6 +246,9 @@ def main() -> None:
         return
     if args.products:
         products(args)
+        return
+    if args.argmax:
+        greedy_picks(args)
         return
     llm = LLM(dtype=args.dtype, threads=args.threads, fused_decode=False)
     rng = random.Random(args.seed)
