@@ -209,17 +209,24 @@ template <typename T>
 using AttendFn = void (*)(const float*, int64_t, int64_t, int64_t, const T*, const T*, const int64_t*,
                           int64_t, float, const Layout&, float*, float*);
 
-template <typename T>
-AttendFn<T> attend_fn(int64_t head_dim) {
-  switch (head_dim / kLanes) {
-    case 1: return attend<T, 1>;
-    case 2: return attend<T, 2>;
-    case 4: return attend<T, 4>;
-    case 6: return attend<T, 6>;
-    case 8: return attend<T, 8>;
-    case 16: return attend<T, 16>;
+// pick(std::integral_constant<int, NC>) for the head_dim's NC = head_dim / 16, or null where
+// no build has that head_dim.
+template <typename Pick>
+auto by_head_dim(int64_t head_dim, const Pick& pick) -> decltype(pick(std::integral_constant<int, 1>{})) {
+  switch (head_dim % kLanes == 0 ? head_dim / kLanes : 0) {
+    case 1: return pick(std::integral_constant<int, 1>{});
+    case 2: return pick(std::integral_constant<int, 2>{});
+    case 4: return pick(std::integral_constant<int, 4>{});
+    case 6: return pick(std::integral_constant<int, 6>{});
+    case 8: return pick(std::integral_constant<int, 8>{});
+    case 16: return pick(std::integral_constant<int, 16>{});
     default: return nullptr;
   }
+}
+
+template <typename T>
+AttendFn<T> attend_fn(int64_t head_dim) {
+  return by_head_dim(head_dim, [](auto nc) -> AttendFn<T> { return attend<T, decltype(nc)::value>; });
 }
 
 constexpr int64_t kSplitFrom = 512;  // positions; a shorter item's split costs what it saves
@@ -293,15 +300,7 @@ using DecodeFn = void (*)(const float*, int64_t, float*, int64_t, int64_t, const
 
 template <typename T>
 DecodeFn<T> decode_fn(int64_t head_dim) {
-  switch (head_dim / kLanes) {
-    case 1: return decode<T, 1>;
-    case 2: return decode<T, 2>;
-    case 4: return decode<T, 4>;
-    case 6: return decode<T, 6>;
-    case 8: return decode<T, 8>;
-    case 16: return decode<T, 16>;
-    default: return nullptr;
-  }
+  return by_head_dim(head_dim, [](auto nc) -> DecodeFn<T> { return decode<T, decltype(nc)::value>; });
 }
 
 }  // namespace attn
