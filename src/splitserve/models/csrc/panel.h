@@ -24,14 +24,17 @@ using namespace vec16;
 constexpr int64_t kCols = 16;              // a panel's columns: one Vec
 constexpr int64_t kRows = 6;               // rows of a micro-kernel
 constexpr int64_t kBlockFloats = 1 << 16;  // x rows per block: about 256 KB of them
+constexpr int64_t kFetchRows = 24;  // more rows are compute-bound, and the fetch slowed them
 
-// Rows [0, R) of x (row stride xs) times one panel, into columns [0, cols) of y.
+// Rows [0, R) of x (row stride xs) times one panel, into columns [0, cols) of y; fetches one
+// line of `ahead` (a panel to come, or this one) per k.
 template <int R>
 void micro(const float* x, int64_t xs, const float* panel, int64_t K, const float* bias, float* y,
-           int64_t ys, int64_t cols) {
+           int64_t ys, int64_t cols, const float* ahead) {
   Vec acc[R];
   for (int r = 0; r < R; ++r) acc[r] = zero();
   for (int64_t k = 0; k < K; ++k) {
+    __builtin_prefetch(ahead + k * kCols, 0, 3);
     const Vec w = load(panel + k * kCols);
     for (int r = 0; r < R; ++r) acc[r] = fmadd(set1(x[r * xs + k]), w, acc[r]);
   }
@@ -76,7 +79,7 @@ void micro_wide(const float* x, int64_t xs, const float* panel, int64_t K, const
 }
 
 using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t,
-                         int64_t);
+                         int64_t, const float*);
 constexpr MicroFn kMicro[kRows + 1] = {nullptr,   micro<1>, micro<2>, micro<3>,
                                        micro<4>, micro<5>, micro<6>};
 
@@ -97,7 +100,7 @@ inline void product(const float* x, int64_t M, int64_t K, const float* panels, i
       for (; p < end; ++p) {
         const int64_t col = p * kCols;
         kMicro[M](x, K, panels + p * K * kCols, K, bias == nullptr ? nullptr : bias + col, y + col, N,
-                  std::min(kCols, N - col));
+                  std::min(kCols, N - col), panels + p * K * kCols);
       }
     });
     return;
@@ -110,9 +113,12 @@ inline void product(const float* x, int64_t M, int64_t K, const float* panels, i
         const int64_t col = p * kCols, cols = std::min(kCols, N - col);
         const float* pp = panels + p * K * kCols;
         const float* pb = bias == nullptr ? nullptr : bias + col;
+        // Up to kFetchRows rows, the last pass over a panel fetches the thread's next one: the
+        // passes before it read the panel from cache, and memory would idle through them.
+        const float* next = p + 1 < end && M <= kFetchRows ? pp + K * kCols : pp;
         for (int64_t r = m0; r < m1; r += kRows) {
           const int64_t rows = std::min(kRows, m1 - r);
-          kMicro[rows](x + r * K, K, pp, K, pb, y + r * N + col, N, cols);
+          kMicro[rows](x + r * K, K, pp, K, pb, y + r * N + col, N, cols, r + kRows >= m1 ? next : pp);
         }
       }
     }
