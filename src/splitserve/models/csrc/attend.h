@@ -260,12 +260,10 @@ void decode(const float* q, int64_t qs, float* out, int64_t os, int64_t n, const
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t item = begin; item < end; ++item) {
+        const int64_t r = item / kv_heads;
         scores.resize(static_cast<size_t>(score_floats(item)));
-        float totals[kMaxGroup];
-        Run<T, NC> r = run(item, scores.data());
-        r.score(0, r.longest());
-        r.weigh(scores.data(), totals);
-        r.template values<NC>(0, scores.data(), totals, out_at(item));
+        attend<T, NC>(q + head(item), qs, 1, lens[r], kc, vc, tables + r * width, item % kv_heads,
+                      scale, lay, scores.data(), out_at(item));
       }
     });
     return;

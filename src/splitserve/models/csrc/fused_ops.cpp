@@ -13,7 +13,6 @@
 
 namespace {
 
-
 void check_rows(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "x: contiguous float32 [rows, hidden]");
