@@ -9,8 +9,10 @@ Variants (same process, same weights, same sequences):
   model's on the C++ panels of ``models.panel_linear`` where built, others oneDNN-blocked);
 - ``packed+paged-numba``: and decode attention in place over the paged cache by the numba
   kernel (``models.paged_decode``);
-- ``packed+paged``: decode attention, and a bfloat16 model's prefill attention, by the C++
-  kernel where it is built;
+- ``packed+paged-ops``: decode attention, and a bfloat16 model's prefill attention, by the C++
+  kernel where it is built, with torch's elementwise ops (RMSNorm, RoPE and the K/V writes,
+  SiLU * up) instead of ``models.fused_ops``;
+- ``packed+paged``: and the fused elementwise ops;
 - ``packed+paged+step``: and every decode-only step in one C++ call (``models.decode_step``,
   float32 where built): the engine's default.
 
@@ -52,10 +54,12 @@ import torch  # noqa: E402
 from router_peer import cpu_description  # noqa: E402
 
 from splitserve import LLM, SamplingParams  # noqa: E402
-from splitserve.models import decode_step, native, paged_decode  # noqa: E402
+from splitserve.models import decode_step, fused_ops, native, paged_decode  # noqa: E402
 from splitserve.models.llama import Linear  # noqa: E402
 
-VARIANTS = ("plain", "packed", "packed+paged-numba", "packed+paged", "packed+paged+step")
+VARIANTS = (
+    "plain", "packed", "packed+paged-numba", "packed+paged-ops", "packed+paged", "packed+paged+step"
+)  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:
@@ -84,6 +88,7 @@ class Switch:
         self.lm_head = model.lm_head_packed
         self.paged = self.runner.paged_decode
         self.native_fits = paged_decode.native_fits
+        self.ops_fit = fused_ops.fits
         self.step = (
             decode_step.DecodeStep(model) if decode_step.unavailable_reason(model) is None else None
         )
@@ -98,6 +103,7 @@ class Switch:
         native = variant.startswith("packed+paged") and variant != "packed+paged-numba"
         paged_decode.native_fits = self.native_fits if native else (lambda *_: False)
         self.runner.fused = self.step if variant == "packed+paged+step" else None
+        fused_ops.fits = (lambda _: False) if variant == "packed+paged-ops" else self.ops_fit
 
 
 def one_round(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[float, float]:
@@ -214,7 +220,6 @@ def products(args: argparse.Namespace) -> None:
 
 def greedy_picks(args: argparse.Namespace) -> None:
     """torch.argmax against the C++ argmax over vocabulary-wide logits, alternating."""
-    from splitserve.models import fused_ops
 
     torch.set_num_threads(args.threads)
     off = native.load("fused_ops")

@@ -50,7 +50,8 @@ def main() -> None:
         part, start = ids[:n], max(0, n - args.window)
         whole = per_token_us(lambda: WholeDecode(tokenizer.decode), part, start)
         windowed = per_token_us(lambda: IncrementalDetokenizer(tokenizer.decode), part, start)
-        print(f"{n:>6} tokens: whole {whole:8.1f} µs | windowed {windowed:6.1f} µs, {whole / windowed:6.1f}x")
+        ratio = whole / windowed
+        print(f"{n:>6} tokens: whole {whole:8.1f} µs | windowed {windowed:6.1f} µs, {ratio:6.1f}x")
 
 
 if __name__ == "__main__":

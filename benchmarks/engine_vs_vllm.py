@@ -10,6 +10,8 @@ Every deployment runs alone on the machine, one after the other, through the sam
 - ``vllm-single-all-fp32``: that, with ``--dtype float32``: on a CPU without native bfloat16
   (no AMX, no AVX-512 BF16) vLLM's default bfloat16 falls back from oneDNN and a user there
   runs float32, as ``--dtype auto`` does here; listed by default only on such a CPU;
+- ``builtin-single-fp32``: ``builtin-single`` with ``--dtype float32`` (on request: where
+  ``auto`` picks bfloat16, how float32 would serve);
 - ``llamacpp-single``: llama.cpp's server (``.venv-llamacpp``, ``make install-llamacpp``)
   on the same GGUF, every core.
 
@@ -40,7 +42,8 @@ OURS = "builtin-single"
 PEERS = ("vllm-single", "vllm-single-all", "llamacpp-single")
 FP32_PEER = "vllm-single-all-fp32"
 # A peer that is another deployment with more `splitserve serve` arguments.
-VARIANTS = {FP32_PEER: ("vllm-single-all", ["--serve-arg=--dtype", "--serve-arg=float32"])}
+FP32 = ["--serve-arg=--dtype", "--serve-arg=float32"]
+VARIANTS = {FP32_PEER: ("vllm-single-all", FP32), f"{OURS}-fp32": (OURS, FP32)}
 RANDOM = ["--workload", "random", "--input-len", "256", "--output-len", "64"]
 RANDOM_SLO = ["--slo", "ttft:2000,tpot:250"]
 AGENTIC = [

@@ -103,10 +103,83 @@ def test_argmax_gives_torchs_index_ties_nans_and_infinities_included(width):
     assert torch.equal(fused_ops.argmax(odd), odd.argmax(-1))
 
 
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 bits, every NaN as one (torch's own conversion keeps a NaN's sign)."""
+    return torch.where(x.isnan(), torch.nan, x).view(torch.int16)
+
+
+@pytest.mark.parametrize("hidden", [576, 40])
+def test_bfloat16_ops_are_the_float32_ops_on_widened_inputs_rounded_once(hidden):
+    """Each bfloat16 output is the float32 op's on the same values, rounded to nearest even:
+    the norm, the residual add (x rounded, then normalised), SiLU * up, RoPE and the K/V
+    writes; NaN, infinities and values that round up to infinity included."""
+    x, d, w = (rand(7, hidden, seed=s).mul(4).bfloat16() for s in (20, 21, 22))
+    w = w[0]
+    x[0, :4] = torch.tensor([float("nan"), float("inf"), -3.39e38, 3.39e38])
+    assert torch.equal(
+        bits(fused_ops.rms_norm(x, w, 1e-5)),
+        bits(fused_ops.rms_norm(x.float(), w.float(), 1e-5).bfloat16()),
+    )
+    x32 = x.float()
+    y32 = fused_ops.add_rms_norm_(x32, d.float(), w.float(), 1e-5)
+    y = fused_ops.add_rms_norm_(x, d, w, 1e-5)
+    assert torch.equal(bits(x), bits(x32.bfloat16()))
+    assert torch.equal(bits(y), bits(fused_ops.rms_norm(x.float(), w.float(), 1e-5).bfloat16()))
+    assert y32.shape == y.shape
+    gate_up = rand(9, 2 * hidden, seed=23).mul(12).bfloat16()
+    assert torch.equal(
+        bits(fused_ops.silu_mul(gate_up)), bits(fused_ops.silu_mul(gate_up.float()).bfloat16())
+    )
+
+    heads, kv_heads, hd, tokens = 9, 3, 64, 6
+    qkv = rand(tokens, (heads + 2 * kv_heads) * hd, seed=24).bfloat16()
+    angles = rand(tokens, 1, hd, seed=25)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    slots = torch.tensor([13, 2, 7, 0, 15, 8])
+    caches = [
+        torch.zeros(4, 4, kv_heads, hd, dtype=dt)
+        for dt in (torch.bfloat16,) * 2 + (torch.float32,) * 2
+    ]
+    wide = qkv.float()
+    fused_ops.rope_write_kv_(qkv, cos, sin, caches[0], caches[1], slots, heads, kv_heads)
+    fused_ops.rope_write_kv_(
+        wide, cos.float(), sin.float(), caches[2], caches[3], slots, heads, kv_heads
+    )
+    assert torch.equal(bits(qkv), bits(wide.bfloat16()))
+    assert torch.equal(bits(caches[0]), bits(caches[2].bfloat16()))
+    assert torch.equal(bits(caches[1]), bits(caches[3].bfloat16()))
+
+
+def test_bfloat16_ops_are_within_rounding_of_torchs_and_a_row_alone_is_the_row_batched():
+    x, w = rand(64, 576, seed=26).bfloat16(), rand(576, seed=27).bfloat16()
+    gate_up = rand(64, 2 * 1536, seed=28).mul(4).bfloat16()
+    gate, up = gate_up.split(1536, dim=-1)
+    cases = [
+        (fused_ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5)),
+        (fused_ops.silu_mul(gate_up), F.silu(gate) * up),
+    ]
+    for got, theirs in cases:
+        torch.testing.assert_close(got, theirs, rtol=2**-7, atol=2**-7)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for op, arg in (
+                (lambda t: fused_ops.rms_norm(t, w, 1e-5), x),
+                (fused_ops.silu_mul, gate_up),
+            ):
+                alone = torch.cat([op(arg[i : i + 1]) for i in range(64)])
+                assert torch.equal(bits(op(arg)), bits(alone)), threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_input_is_refused():
     w = torch.ones(8)
-    with pytest.raises(RuntimeError, match="x: contiguous float32"):
-        fused_ops.rms_norm(torch.ones(2, 8).double(), w, 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        fused_ops.rms_norm(torch.ones(2, 8).double(), w.double(), 1e-5)
+    with pytest.raises(RuntimeError, match="every tensor in BFloat16"):
+        fused_ops.rms_norm(torch.ones(2, 8).bfloat16(), w, 1e-5)
     with pytest.raises(RuntimeError, match="weight"):
         fused_ops.rms_norm(torch.ones(2, 8), torch.ones(9), 1e-5)
     cache = torch.zeros(2, 4, 1, 32)

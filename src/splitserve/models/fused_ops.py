@@ -1,6 +1,7 @@
-"""A decoder layer's elementwise steps as single passes over the rows, float32 on CPU: a C++
-kernel (``csrc/fused_ops.cpp``, built by ``models.native``) where it is built, torch's ops
-elsewhere (``fits`` says which).
+"""A decoder layer's elementwise steps as single passes over the rows, float32 or bfloat16 on
+CPU: a C++ kernel (``csrc/fused_ops.cpp``, built by ``models.native``) where it is built,
+torch's ops elsewhere (``fits`` says which). A bfloat16 row is computed in float32 and each
+output rounded once: the float32 op's result on the widened inputs, rounded (tested).
 
 The torch path runs RMSNorm as about six ops, the residual add, RoPE and the two K/V writes as
 five more, each a pass over the step's rows with its own dispatch; a decode step's few rows
@@ -14,10 +15,12 @@ import torch
 
 from splitserve.models import native
 
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def fits(x: torch.Tensor) -> bool:
-    """Whether the fused ops take ``x`` (float32 on CPU, the kernel built)."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and native.load("fused_ops") is None
+    """Whether the fused ops take ``x`` (float32 or bfloat16 on CPU, the kernel built)."""
+    return x.dtype in FUSED_DTYPES and x.device.type == "cpu" and native.load("fused_ops") is None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,8 +37,9 @@ def add_rms_norm_(
 
 
 def rope_fits(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether ``rope_write_kv_`` takes this layer (float32 caches, head_dim a multiple of 32)."""
-    return fits(qkv) and k_cache.dtype == torch.float32 and k_cache.shape[-1] % 32 == 0
+    """Whether ``rope_write_kv_`` takes this layer (caches in ``qkv``'s dtype, head_dim a
+    multiple of 32)."""
+    return fits(qkv) and k_cache.dtype == qkv.dtype and k_cache.shape[-1] % 32 == 0
 
 
 def rope_write_kv_(
@@ -66,6 +70,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)`` of a ``[rows, n]`` tensor, the same indices (the first of equal
     values, a NaN counting as the largest), in one vector pass per row where the kernel takes
     ``x``: torch's CPU argmax reads a vocabulary-wide row about 7x slower."""
-    if x.dim() == 2 and x.shape[1] > 0 and fits(x):
+    if x.dim() == 2 and x.shape[1] > 0 and x.dtype == torch.float32 and fits(x):
         return torch.ops.splitserve.argmax_rows(x.contiguous())
     return x.argmax(dim=-1)

@@ -1,4 +1,6 @@
-// A decoder layer's elementwise steps on one row each, float32 (models/fused_ops.py):
+// A decoder layer's elementwise steps on one row each (models/fused_ops.py), on rows of float32
+// or of bfloat16 (T = uint16_t, its bits): computed in float32 either way, a bfloat16 input
+// widened exactly and each bfloat16 output rounded once, to nearest even (vec16's store_n):
 //
 //   norm_row:      y = (x * 1/sqrt(mean(x^2) + eps)) * w
 //   add_norm_row:  x += d in place, then y = norm_row(x)
@@ -15,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "vec16.h"
 
@@ -28,57 +31,54 @@ constexpr int64_t kLanes = 16;
 // a few thousand floats' elementwise work does.
 inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 4096 / std::max<int64_t>(1, width)); }
 
-inline void norm_row(const float* x, const float* w, int64_t n, float eps, float* y) {
+template <typename T>
+inline void norm_row(const T* x, const T* w, int64_t n, float eps, T* y) {
   Vec acc = zero();
   for (int64_t c = 0; c < n; c += kLanes) {
-    const Vec v = load_first(first_lanes(n - c), x + c);
+    const Vec v = load_n(x + c, n - c);
     acc = fmadd(v, v, acc);
   }
   const Vec inv = set1(1.0f / std::sqrt(reduce_add(acc) / static_cast<float>(n) + eps));
-  for (int64_t c = 0; c < n; c += kLanes) {
-    const Mask m = first_lanes(n - c);
-    store_n(y + c, n - c, mul(mul(load_first(m, x + c), inv), load_first(m, w + c)));
-  }
+  for (int64_t c = 0; c < n; c += kLanes)
+    store_n(y + c, n - c, mul(mul(load_n(x + c, n - c), inv), load_n(w + c, n - c)));
 }
 
-inline void add_norm_row(float* x, const float* d, const float* w, int64_t n, float eps, float* y) {
-  for (int64_t c = 0; c < n; c += kLanes) {
-    const Mask m = first_lanes(n - c);
-    store_n(x + c, n - c, add(load_first(m, x + c), load_first(m, d + c)));
-  }
+template <typename T>
+inline void add_norm_row(T* x, const T* d, const T* w, int64_t n, float eps, T* y) {
+  for (int64_t c = 0; c < n; c += kLanes) store_n(x + c, n - c, add(load_n(x + c, n - c), load_n(d + c, n - c)));
   norm_row(x, w, n, eps, y);
 }
 
-// qkv: one token's (heads + 2 kv_heads) * hd floats; cos, sin: its hd floats each; k and v go
-// to row `slot` (kv_heads * hd floats) of k_cache and v_cache.
-inline void rope_row(float* qkv, const float* cos, const float* sin, int64_t heads, int64_t kv_heads,
-                     int64_t hd, float* k_cache, float* v_cache, int64_t slot) {
+// qkv: one token's (heads + 2 kv_heads) * hd values; cos, sin: its hd values each (hd a
+// multiple of 32); k and v go to row `slot` (kv_heads * hd values) of k_cache and v_cache.
+template <typename T>
+inline void rope_row(T* qkv, const T* cos, const T* sin, int64_t heads, int64_t kv_heads, int64_t hd,
+                     T* k_cache, T* v_cache, int64_t slot) {
   const int64_t half = hd / 2, row = kv_heads * hd;
   for (int64_t head = 0; head < heads + kv_heads; ++head) {
-    float* x = qkv + head * hd;
+    T* x = qkv + head * hd;
     for (int64_t i = 0; i < half; i += kLanes) {
-      const Vec lo = loadu(x + i), hi = loadu(x + half + i);
-      storeu(x + i, add(mul(lo, loadu(cos + i)), mul(hi, loadu(sin + i))));
-      storeu(x + half + i, add(mul(hi, loadu(cos + half + i)), mul(lo, loadu(sin + half + i))));
+      const Vec lo = load_n(x + i, kLanes), hi = load_n(x + half + i, kLanes);
+      store_n(x + i, kLanes, add(mul(lo, load_n(cos + i, kLanes)), mul(hi, load_n(sin + i, kLanes))));
+      store_n(x + half + i, kLanes,
+              add(mul(hi, load_n(cos + half + i, kLanes)), mul(lo, load_n(sin + half + i, kLanes))));
     }
   }
-  const float* k = qkv + heads * hd;
-  for (int64_t i = 0; i < row; i += kLanes) {
-    storeu(k_cache + slot * row + i, loadu(k + i));
-    storeu(v_cache + slot * row + i, loadu(k + row + i));
-  }
+  const T* k = qkv + heads * hd;
+  std::memcpy(k_cache + slot * row, k, row * sizeof(T));
+  std::memcpy(v_cache + slot * row, k + row, row * sizeof(T));
 }
 
 // silu(g) = g / (1 + e^-g), as g / (1 + e) for g >= 0 and g e / (1 + e) below, e = e^-|g|:
 // exp_nonpositive's range either way.
-inline void silu_mul_row(const float* gate, const float* up, int64_t n, float* y) {
+template <typename T>
+inline void silu_mul_row(const T* gate, const T* up, int64_t n, T* y) {
   const Vec one = set1(1.0f);
   for (int64_t c = 0; c < n; c += kLanes) {
-    const Mask m = first_lanes(n - c);
-    const Vec g = load_first(m, gate + c);
+    const Vec g = load_n(gate + c, n - c);
     const Vec e = exp_nonpositive(sub(zero(), max(g, sub(zero(), g))));
     const Vec s = div(select_nonnegative(g, g, mul(g, e)), add(one, e));
-    store_n(y + c, n - c, mul(s, load_first(m, up + c)));
+    store_n(y + c, n - c, mul(s, load_n(up + c, n - c)));
   }
 }
 

@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace vec16 {
 
@@ -63,6 +64,19 @@ inline Vec load_bf16(const uint16_t* src) {
   const __m512i wide =
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Sixteen float32 rounded to bfloat16 bits (to nearest, ties to even; a NaN to 0x7FC0), as
+// torch's conversion rounds, each in the low half of its 32-bit lane.
+inline __m512i round_bf16(Vec v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+inline void store_bf16(uint16_t* dst, Vec v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(round_bf16(v)));
 }
 
 // Sixteen vectors in, one out: lane i holds the sum of v[i]'s lanes. Halves, then quarters,
@@ -186,6 +200,22 @@ inline __m256 widen_bf16(const uint16_t* src) {
 }
 inline Vec load_bf16(const uint16_t* src) { return {widen_bf16(src), widen_bf16(src + 8)}; }
 
+// Eight float32 rounded to bfloat16 bits (to nearest, ties to even; a NaN to 0x7FC0), as
+// torch's conversion rounds, each in the low half of its 32-bit lane.
+inline __m256i round_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
+}
+inline void store_bf16(uint16_t* dst, Vec v) {
+  // packus interleaves the halves by 128-bit lane: lo 0-3, hi 0-3, lo 4-7, hi 4-7.
+  const __m256i packed = _mm256_packus_epi32(round_bf16(v.lo), round_bf16(v.hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute4x64_epi64(packed, 0xD8));
+}
+
 // Eight vectors in, one out: lane i holds the sum of v[i]'s lanes, i + 4 then i + 2 then i + 1.
 inline __m256 sum_lanes8(const __m256 v[8]) {
   __m256 u[4], w[2];
@@ -223,6 +253,25 @@ inline void store_n(float* dst, int64_t count, Vec v) {
     storeu(dst, v);
   else
     store_first(dst, first_lanes(count), v);
+}
+
+// The first `count` lanes of a row of float32, or of bfloat16 bits widened (exact); the rest 0.
+inline Vec load_n(const float* src, int64_t count) {
+  return count >= 16 ? loadu(src) : load_first(first_lanes(count), src);
+}
+inline Vec load_n(const uint16_t* src, int64_t count) {
+  if (count >= 16) return load_bf16(src);
+  uint16_t part[16] = {};
+  std::memcpy(part, src, count * sizeof(uint16_t));
+  return load_bf16(part);
+}
+
+// The first `count` lanes of v rounded to bfloat16 (see round_bf16) to dst.
+inline void store_n(uint16_t* dst, int64_t count, Vec v) {
+  if (count >= 16) return store_bf16(dst, v);
+  uint16_t part[16];
+  store_bf16(part, v);
+  std::memcpy(dst, part, count * sizeof(uint16_t));
 }
 
 // exp(x) for x <= 0: 2^n * e^r with n = round(x / ln 2) and a degree-6 polynomial in r.
