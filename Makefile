@@ -95,6 +95,7 @@ bench: $(STAMP)
 
 bench-server: $(STAMP)
 	$(BIN)/python benchmarks/server_overhead.py $(ARGS)
+	$(BIN)/python benchmarks/detokenize.py
 
 # Loading the bundled model: converted-model cache against the GGUF file.
 bench-load: $(STAMP)
