@@ -36,10 +36,11 @@ def test_matches_f_linear(shape, with_bias):
         torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
 
 
-def test_every_row_gets_its_result_alone_at_any_row_count_and_thread_count():
+@pytest.mark.parametrize("out", [576, 720])  # 720: an odd count of panels, one left unpaired
+def test_every_row_gets_its_result_alone_at_any_row_count_and_thread_count(out):
     """One fused-multiply-add chain per element, in the order of the input features: the
-    same bits alone, in any batch and at any thread count."""
-    w, b = weights(576, 576, seed=2)
+    same bits alone, in any batch (one panel a pass or two) and at any thread count."""
+    w, b = weights(out, 576, seed=2)
     packed = packed_weight(w)
     assert packed is not None and packed.dim() == 3  # the panels, not oneDNN's layout
     x = torch.randn(100, 576, generator=torch.Generator().manual_seed(3))

@@ -83,6 +83,16 @@ using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, const flo
 constexpr MicroFn kMicro[kRows + 1] = {nullptr,   micro<1>, micro<2>, micro<3>,
                                        micro<4>, micro<5>, micro<6>};
 
+#if defined(SPLITSERVE_AVX512)
+// Above kFetchRows rows, two full panels a pass (micro_wide<R, 2>, the same chains): a
+// one-panel pass loads its row's input for every FMA, and on AVX-512 those loads, not the FMAs,
+// bound it; two panels share each. (On AVX2 two panels of six rows would need 24 registers.)
+using PairFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t);
+constexpr PairFn kPair[kRows + 1] = {nullptr,         micro_wide<1, 2>, micro_wide<2, 2>,
+                                     micro_wide<3, 2>, micro_wide<4, 2>, micro_wide<5, 2>,
+                                     micro_wide<6, 2>};
+#endif
+
 // y [M, N] = x [M, K] times panels [P, K, 16] (64-byte aligned, N <= 16 P), + bias [N] unless
 // null; panels split over torch's intra-op threads.
 inline void product(const float* x, int64_t M, int64_t K, const float* panels, int64_t P, int64_t N,
@@ -113,6 +123,14 @@ inline void product(const float* x, int64_t M, int64_t K, const float* panels, i
         const int64_t col = p * kCols, cols = std::min(kCols, N - col);
         const float* pp = panels + p * K * kCols;
         const float* pb = bias == nullptr ? nullptr : bias + col;
+#if defined(SPLITSERVE_AVX512)
+        if (M > kFetchRows && p + 1 < end && col + 2 * kCols <= N) {
+          for (int64_t r = m0; r < m1; r += kRows)
+            kPair[std::min(kRows, m1 - r)](x + r * K, K, pp, K, pb, y + r * N + col, N);
+          ++p;  // the pair's second panel
+          continue;
+        }
+#endif
         // Up to kFetchRows rows, the last pass over a panel fetches the thread's next one: the
         // passes before it read the panel from cache, and memory would idle through them.
         const float* next = p + 1 < end && M <= kFetchRows ? pp + K * kCols : pp;
