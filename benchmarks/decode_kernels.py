@@ -220,7 +220,6 @@ def products(args: argparse.Namespace) -> None:
 
 def greedy_picks(args: argparse.Namespace) -> None:
     """torch.argmax against the C++ argmax over vocabulary-wide logits, alternating."""
-
     torch.set_num_threads(args.threads)
     off = native.load("fused_ops")
     print(f"CPU: {cpu_description()}")

@@ -45,7 +45,8 @@ inline void norm_row(const T* x, const T* w, int64_t n, float eps, T* y) {
 
 template <typename T>
 inline void add_norm_row(T* x, const T* d, const T* w, int64_t n, float eps, T* y) {
-  for (int64_t c = 0; c < n; c += kLanes) store_n(x + c, n - c, add(load_n(x + c, n - c), load_n(d + c, n - c)));
+  for (int64_t c = 0; c < n; c += kLanes)
+    store_n(x + c, n - c, add(load_n(x + c, n - c), load_n(d + c, n - c)));
   norm_row(x, w, n, eps, y);
 }
 
@@ -58,10 +59,10 @@ inline void rope_row(T* qkv, const T* cos, const T* sin, int64_t heads, int64_t 
   for (int64_t head = 0; head < heads + kv_heads; ++head) {
     T* x = qkv + head * hd;
     for (int64_t i = 0; i < half; i += kLanes) {
-      const Vec lo = load_n(x + i, kLanes), hi = load_n(x + half + i, kLanes);
-      store_n(x + i, kLanes, add(mul(lo, load_n(cos + i, kLanes)), mul(hi, load_n(sin + i, kLanes))));
+      const Vec lo = load_row(x + i), hi = load_row(x + half + i);
+      store_n(x + i, kLanes, add(mul(lo, load_row(cos + i)), mul(hi, load_row(sin + i))));
       store_n(x + half + i, kLanes,
-              add(mul(hi, load_n(cos + half + i, kLanes)), mul(lo, load_n(sin + half + i, kLanes))));
+              add(mul(hi, load_row(cos + half + i)), mul(lo, load_row(sin + half + i))));
     }
   }
   const T* k = qkv + heads * hd;

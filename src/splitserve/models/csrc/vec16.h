@@ -255,12 +255,17 @@ inline void store_n(float* dst, int64_t count, Vec v) {
     store_first(dst, first_lanes(count), v);
 }
 
-// The first `count` lanes of a row of float32, or of bfloat16 bits widened (exact); the rest 0.
+// Sixteen values as float32 (a cache row's, a row's of rows.h): bfloat16 widened, float32 as
+// it is.
+inline Vec load_row(const uint16_t* src) { return load_bf16(src); }
+inline Vec load_row(const float* src) { return loadu(src); }
+
+// The first `count` lanes of a row, as load_row reads them; the rest 0.
 inline Vec load_n(const float* src, int64_t count) {
-  return count >= 16 ? loadu(src) : load_first(first_lanes(count), src);
+  return count >= 16 ? load_row(src) : load_first(first_lanes(count), src);
 }
 inline Vec load_n(const uint16_t* src, int64_t count) {
-  if (count >= 16) return load_bf16(src);
+  if (count >= 16) return load_row(src);
   uint16_t part[16] = {};
   std::memcpy(part, src, count * sizeof(uint16_t));
   return load_bf16(part);
@@ -289,9 +294,5 @@ inline Vec exp_nonpositive(Vec x) {
   p = fmadd(p, mul(r, r), add(r, set1(1.0f)));
   return scale_by_pow2(p, n);
 }
-
-// Sixteen elements of a cache row as float32: bfloat16 widened, float32 as it is.
-inline Vec load_row(const uint16_t* src) { return load_bf16(src); }
-inline Vec load_row(const float* src) { return loadu(src); }
 
 }  // namespace vec16
