@@ -54,6 +54,7 @@ def deployment(tmp_path_factory):
     args = [*POOL, "--disk-kv-dir", str(disk), "--disk-kv-gb", "0.05", "--api-keys", str(keys)]
     worker = Restartable(args)
     router_url, router = start_router(worker.url, keys)
+    worker.watchers.append((router_url, router))
     try:
         yield worker, router_url, disk
     finally:
@@ -66,6 +67,9 @@ class Restartable:
         self.args = args
         self.url, self.proc = start_worker(args, secret=SECRET)
         wait_healthy(self.url, self.proc)
+        # Routers that probe this worker: after a restart, until one probe finds it up again,
+        # a router still holds it down (503) for up to a probe interval and a timeout.
+        self.watchers: list[tuple[str, subprocess.Popen]] = []
 
     def restart(self) -> None:
         self.stop()
@@ -75,6 +79,8 @@ class Restartable:
         env = {**os.environ, "SPLITSERVE_KV_SECRET": SECRET}
         self.proc = subprocess.Popen(argv, env=env, start_new_session=True)
         wait_healthy(self.url, self.proc)
+        for url, proc in self.watchers:
+            wait_healthy(url, proc, timeout=60)
 
     def stop(self) -> None:
         stop_group(self.proc)
