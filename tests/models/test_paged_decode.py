@@ -147,7 +147,14 @@ def test_every_kernel_source_is_listed_and_builds_here():
     assert sorted(p.stem for p in native.CSRC.glob("*.cpp")) == sorted(native.KERNELS)
     if native.variant(native.cpu_flags()) is None:
         pytest.skip("the CPU has neither avx512f nor avx2 and fma")
-    assert native.load_all() == {name: None for name in native.KERNELS}
+    flags = native.cpu_flags()
+    loaded = native.load_all()
+    for name, reason in loaded.items():
+        build, needs = native.NEEDS.get(name, (native.variant(flags), ()))
+        if build == native.variant(flags) and all(f in flags for f in needs):
+            assert reason is None, (name, reason)
+        else:
+            assert reason == f"it needs the {build} build and the CPU flags {', '.join(needs)}"
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.models import fused_ops, native, panel_linear
+from splitserve.models import amx_linear, fused_ops, native, panel_linear
 from splitserve.models.attention import AttentionContext, paged_attention, write_kv
 from splitserve.models.config import ModelConfig
 
@@ -93,7 +93,8 @@ class Linear(nn.Module):
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` ``[out, in]`` packed once for ``packed_linear``: float32 into the panels of
-    ``models.panel_linear`` where its C++ kernel is built, else into oneDNN's blocked layout;
+    ``models.panel_linear`` where its C++ kernel is built, bfloat16 into the AMX tiles of
+    ``models.amx_linear`` where the CPU has AMX, else into oneDNN's blocked layout;
     ``None`` where torch has no oneDNN, the weight is not on CPU, or oneDNN cannot compute
     bfloat16 on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; torch's own kernels do
     it elsewhere).
@@ -103,9 +104,10 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     for the few-row steps of decoding, with identical results for a row alone or in a batch
     (``benchmarks/decode_kernels.py``; docs/engine.md).
     """
-    panels = panel_linear.pack(weight)
-    if panels is not None:
-        return panels
+    for pack in (panel_linear.pack, amx_linear.pack):
+        packed = pack(weight)
+        if packed is not None:
+            return packed
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
     if weight.dtype not in (torch.float32, torch.bfloat16):
@@ -131,10 +133,13 @@ def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for ``x`` ``[rows, in]`` and a ``packed_weight``, on torch's
-    threads (oneDNN spreads even one row over them). A bfloat16 product runs in pieces of at
-    most ``BATCH_INVARIANT_ROWS`` rows, so that each row's result is the one it gets alone."""
+    threads (oneDNN spreads even one row over them). A bfloat16 product on oneDNN runs in pieces
+    of at most ``BATCH_INVARIANT_ROWS`` rows, so that each row's result is the one it gets alone
+    (the panels and the AMX tiles give it at any row count)."""
     if packed.dim() == 3:
         return panel_linear.linear(x, packed, bias)
+    if packed.dim() == 4:
+        return amx_linear.linear(x, packed, bias)
     if x.dtype == torch.bfloat16 and x.shape[0] > BATCH_INVARIANT_ROWS:
         pieces = x.split(BATCH_INVARIANT_ROWS)
         return torch.cat(

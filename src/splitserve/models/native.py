@@ -7,7 +7,8 @@ variant and the CPU's flags, and loaded with ``torch.ops.load_library``: the ops
 under ``torch.ops.splitserve``. The variant is the widest vector ISA the CPU has (``VARIANTS``:
 AVX-512, else AVX2 with FMA; ``csrc/vec16.h`` holds the lanes of each). Where there is no
 compiler, neither ISA, or the build fails, ``load`` returns the reason and the caller keeps its
-portable path. ``SPLITSERVE_NATIVE=0`` turns every native kernel off,
+portable path. A kernel may need more (``NEEDS``: AMX for ``amx_linear``); where the CPU lacks
+it, ``load`` says so. ``SPLITSERVE_NATIVE=0`` turns every native kernel off,
 ``SPLITSERVE_NATIVE_OFF=name,...`` the ones named (``KERNELS``).
 """
 
@@ -36,7 +37,9 @@ _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++20", "-fopenmp")
 # The builds, best first: a name (its -DSPLITSERVE_<NAME> selects csrc/vec16.h's lanes) and
 # the CPU flags it needs (/proc/cpuinfo names).
 VARIANTS = (("avx512", ("avx512f",)), ("avx2", ("avx2", "fma")))
-KERNELS = ("paged_decode", "panel_linear", "fused_ops", "decode_step")  # the sources under csrc/
+KERNELS = ("paged_decode", "panel_linear", "fused_ops", "decode_step", "amx_linear")  # csrc/*.cpp
+# Kernels that need more than their variant: the build and the CPU flags each one needs.
+NEEDS = {"amx_linear": ("avx512", ("amx_tile", "amx_bf16"))}
 
 
 def cache_dir() -> Path:
@@ -109,6 +112,11 @@ def _load(name: str) -> str | None:
     isa = variant(flags)
     if isa is None:
         return "the CPU has neither avx512f nor avx2 and fma"
+    if name in NEEDS:
+        build, needs = NEEDS[name]
+        missing = [f for f in needs if f not in flags]
+        if isa != build or missing:
+            return f"it needs the {build} build and the CPU flags {', '.join(needs)}"
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         return "no C++ compiler (g++ or $CXX) on PATH"
