@@ -14,7 +14,7 @@ from splitserve.engine import model_runner as model_runner_module
 from splitserve.engine.core_share import CoreShare
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.plan import StepPlan
-from splitserve.models import decode_step, native
+from splitserve.models import amx_linear, decode_step, native
 from splitserve.models.decode_step import DecodeStep
 from splitserve.models.loader import load_model
 from tests.models.plans import chunk, decode_steps, greedy_run, prompt
@@ -34,12 +34,26 @@ def saved(tmp_path_factory, hf_model_factory, variant: str, **shape) -> str:
     return str(directory)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "llama3_tied"])
+# bfloat16 runs on AMX tiles only (models/amx_linear.py).
+no_amx = pytest.mark.skipif(not amx_linear.available(), reason="no AMX: no bfloat16 step")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        ("llama", "float32"),
+        ("qwen2", "float32"),
+        ("llama3_tied", "float32"),
+        pytest.param(("qwen2", "bfloat16"), marks=no_amx),  # qkv bias, rounded once in float32
+        pytest.param(("llama3_tied", "bfloat16"), marks=no_amx),
+    ],
+    ids="-".join,
+)
 def runners(request, tmp_path_factory, hf_model_factory):
     """(torch-path runner, native-step runner): the same weights, a cache each."""
-    loaded = load_model(
-        saved(tmp_path_factory, hf_model_factory, request.param, **SHAPE), load_tokenizer=False
-    )
+    variant, dtype = request.param
+    directory = saved(tmp_path_factory, hf_model_factory, variant, **SHAPE)
+    loaded = load_model(directory, dtype=dtype, load_tokenizer=False)
     make = lambda on: ModelRunner(  # noqa: E731
         loaded, block_size=BLOCK, kv_cache_bytes=2**20, threads=2, fused_decode=on
     )
@@ -110,21 +124,24 @@ def test_rope_tables_hold_the_rows_rotary_gives_each_position_alone(runners):
     cos, sin = step.rope_tables(first + 1)  # grown
     assert cos.shape[0] > first
     for p in (0, 1, 17, first - 1, first, cos.shape[0] - 1):
-        alone_cos, alone_sin = step.model.rotary(torch.tensor([p]), torch.float32)
+        alone_cos, alone_sin = step.model.rotary(torch.tensor([p]), step.model.dtype)
         assert torch.equal(cos[p], alone_cos[0, 0]) and torch.equal(sin[p], alone_sin[0, 0]), p
 
 
-def test_models_it_does_not_take_keep_another_path(tmp_path_factory, hf_model_factory, caplog):
+def test_models_it_does_not_take_keep_another_path(
+    tmp_path_factory, hf_model_factory, caplog, monkeypatch
+):
     narrow = load_model(saved(tmp_path_factory, hf_model_factory, "llama"), load_tokenizer=False)
     with caplog.at_level(logging.INFO, logger=model_runner_module.__name__):
         runner = ModelRunner(narrow, block_size=BLOCK, kv_cache_bytes=2**20, fused_decode=True)
     assert "head_dim 16 is not a multiple of 32" in caplog.text
     assert runner.fused is None or not isinstance(runner.fused, DecodeStep)
     directory = saved(tmp_path_factory, hf_model_factory, "qwen2", **SHAPE)
+    monkeypatch.setattr(amx_linear, "pack", lambda weight: None)  # as on a CPU without AMX
     bf16 = load_model(directory, dtype="bfloat16", load_tokenizer=False)
     ModelRunner(bf16, block_size=BLOCK, kv_cache_bytes=2**20)  # binds its cache
-    assert "float32" in decode_step.unavailable_reason(bf16.model)
-    with pytest.raises(RuntimeError, match="float32"):
+    assert "AMX tiles" in decode_step.unavailable_reason(bf16.model)
+    with pytest.raises(RuntimeError, match="AMX tiles"):
         DecodeStep(bf16.model)
 
 

@@ -1,4 +1,5 @@
-"""A whole decode step in one C++ call (``csrc/decode_step.cpp``), float32 on CPU.
+"""A whole decode step in one C++ call (``csrc/decode_step.cpp``) on CPU: float32, or bfloat16
+where the CPU has AMX.
 
 The model's torch path on packed weights runs a decode step as ~300 ops (each layer's norms,
 three panel products, RoPE with the K/V writes, attention, activation, residual adds), each
@@ -6,8 +7,9 @@ with its own dispatch and output tensor; for a batch-1 step that overhead is abo
 the time on two cores. This path calls the same C++ kernels in the same order from one op, so
 a sequence's logits are bit for bit those of the torch path (alone or batched, at any thread
 count), and only the overhead goes. It covers a step whose every sequence brings one new token,
-on a model whose weight products are all on float32 panels (``models.panel_linear``), with the
-fused ops built; ``unavailable_reason`` says why not otherwise.
+on a model whose weight products are all on float32 panels (``models.panel_linear``) or all on
+bfloat16 AMX tiles (``models.amx_linear``), with the fused ops built; ``unavailable_reason``
+says why not otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 from splitserve.models import native, paged_decode
 
 ROPE_TABLE_MIN = 1024  # positions in the first RoPE tables
+# The packed weights' dimensions the step takes, by dtype: float32 panels, bfloat16 AMX tiles.
+PACKED_DIMS = {torch.float32: 3, torch.bfloat16: 4}
 
 
 def unavailable_reason(model: torch.nn.Module) -> str | None:
@@ -26,12 +30,15 @@ def unavailable_reason(model: torch.nn.Module) -> str | None:
         reason = native.load(name)
         if reason is not None:
             return f"the {name} kernel is off: {reason}"
-    if getattr(model, "dtype", None) != torch.float32:
-        return f"it runs float32 weights only, the model has {getattr(model, 'dtype', None)}"
+    dtype = getattr(model, "dtype", None)
+    if dtype not in PACKED_DIMS:
+        return f"it runs float32 or bfloat16 weights, the model has {dtype}"
     packed = [getattr(m, "packed", None) for m in model.modules() if hasattr(m, "packed")]
     packed.append(model.lm_head_packed)
-    if any(p is None or p.dim() != 3 for p in packed):
-        return "not every weight product is on float32 panels (unpacked, or a width not 16k)"
+    if any(p is None or p.dim() != PACKED_DIMS[dtype] for p in packed):
+        if dtype == torch.float32:
+            return "not every weight product is on float32 panels (unpacked, or a width not 16k)"
+        return "not every weight product is on AMX tiles (no AMX, or a width not 16k / 32k)"
     if model.config.head_dim % 32:
         return f"head_dim {model.config.head_dim} is not a multiple of 32 (the RoPE kernel's)"
     if not paged_decode.native_fits(model.config.num_heads, model.layers[0].self_attn.k_cache):
@@ -64,7 +71,7 @@ class DecodeStep:
             ]
         self.model = model
         # RoPE tables of positions [0, P), grown as contexts grow (see rope_tables).
-        self._cos = self._sin = torch.empty(0, cfg.head_dim)
+        self._cos = self._sin = torch.empty(0, cfg.head_dim, dtype=model.dtype)
         self.impl = torch.classes.splitserve.DecodeModel(
             [w.detach() for w in weights],
             model.embed_tokens.detach(),
@@ -83,7 +90,8 @@ class DecodeStep:
         context_lens: np.ndarray,
         threads: int,
     ) -> torch.Tensor:
-        """Float32 logits ``[n, vocab]`` of ``n`` single-token sequences, each at position
+        """Float32 logits ``[n, vocab]`` (a bfloat16 model's widened) of ``n`` single-token
+        sequences, each at position
         ``context_lens[r] - 1`` with its K/V written to ``slots[r]`` of the model's bound cache;
         ``block_tables`` ``[n, w]`` int64 covers every context. Runs on ``threads`` intra-op
         threads."""
@@ -107,6 +115,6 @@ class DecodeStep:
         if self._cos.shape[0] < length:
             size = max(length, 2 * self._cos.shape[0], ROPE_TABLE_MIN)
             with torch.inference_mode():
-                cos, sin = self.model.rotary(torch.arange(size), torch.float32)
+                cos, sin = self.model.rotary(torch.arange(size), self.model.dtype)
             self._cos, self._sin = cos.view(size, -1), sin.view(size, -1)
         return self._cos, self._sin
