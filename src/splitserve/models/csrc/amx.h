@@ -23,7 +23,7 @@
 
 #include "vec16.h"
 
-#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(SPLITSERVE_AVX512)
+#if !defined(SPLITSERVE_AMX)
 #error "amx.h needs AMX-TILE, AMX-BF16 and the AVX-512 build"
 #endif
 

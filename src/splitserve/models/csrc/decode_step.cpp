@@ -30,8 +30,7 @@
 #include "panel.h"
 #include "rows.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(SPLITSERVE_AVX512)
-#define SPLITSERVE_AMX 1
+#if defined(SPLITSERVE_AMX)  // (vec16.h)
 #include "amx.h"
 #endif
 

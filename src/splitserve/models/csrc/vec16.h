@@ -15,6 +15,11 @@
 
 namespace vec16 {
 
+// Set where the build may use AMX tiles for bfloat16 (amx.h; attend.h's bfloat16 attention).
+#if defined(SPLITSERVE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SPLITSERVE_AMX 1
+#endif
+
 #if defined(SPLITSERVE_AVX512)
 #if !defined(__AVX512F__)
 #error "SPLITSERVE_AVX512 needs -mavx512f"
