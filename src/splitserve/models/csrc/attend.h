@@ -201,6 +201,32 @@ class Run {
 
 
 #if defined(SPLITSERVE_AMX)
+// out (16 x 16 floats) = in (16 x 16 floats) transposed: unpacks of 32 and 64 bits, then two
+// rounds of 128-bit lane shuffles.
+inline void transpose16(const float* in, float* out) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(in + 16 * i);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);  // per 128-bit lane: a0 b0 a1 b1
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);  // a2 b2 a3 b3
+  }
+  for (int i = 0; i < 16; i += 4)  // r[i + j], lane L: column 4L + j of rows i .. i + 3
+    for (int h = 0; h < 2; ++h) {
+      const __m512d x = _mm512_castps_pd(t[i + h]), y = _mm512_castps_pd(t[i + h + 2]);
+      r[i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+      r[i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
+    }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44), b = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44),
+                 d = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
+    _mm512_store_ps(out + 16 * j, _mm512_shuffle_f32x4(a, c, 0x88));
+    _mm512_store_ps(out + 16 * (4 + j), _mm512_shuffle_f32x4(a, c, 0xDD));
+    _mm512_store_ps(out + 16 * (8 + j), _mm512_shuffle_f32x4(b, d, 0x88));
+    _mm512_store_ps(out + 16 * (12 + j), _mm512_shuffle_f32x4(b, d, 0xDD));
+  }
+}
+
 // Run's three parts for a bfloat16 cache on AMX tiles, where head_dim is a multiple of 32:
 //
 //   scores[j, p] = (q[j] . k_p) * scale   one tile sum per 32 dims, in order (k rows read in
@@ -248,7 +274,7 @@ class TileRun {
         tile[(d / 32) * 512 + ((d % 32) / 2) * 32 + (pair % 16) * 2 + d % 2] = bits[d];
     }
     alignas(64) uint16_t gathered[16 * hd];
-    alignas(64) float sums[16 * 16];
+    alignas(64) float sums[16 * 16], columns[16 * 16];
     const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
                                                                 11, 12, 13, 14, 15),
                                              _mm512_set1_epi32(16));
@@ -278,10 +304,12 @@ class TileRun {
         }
         _tile_stored(0, sums, 64);
         const Vec s = set1(scale_);
-        for (int64_t col = 0; col < 16 && t * 16 + col < pairs_; ++col) {
-          const int64_t pair = t * 16 + col;
-          const Vec v = _mm512_i32gather_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(col)), sums, 4);
-          store_n(scores_ + pair * stride_ + p, n, mul(v, s));
+        const int64_t cols = std::min<int64_t>(16, pairs_ - t * 16);
+        if (cols > 4) transpose16(sums, columns);  // else a gather a column
+        for (int64_t col = 0; col < cols; ++col) {
+          const Vec v = cols > 4 ? load(columns + col * 16)
+                                 : _mm512_i32gather_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(col)), sums, 4);
+          store_n(scores_ + (t * 16 + col) * stride_ + p, n, mul(v, s));
         }
       }
     }
@@ -458,6 +486,7 @@ AttendFn<T> attend_fn(int64_t head_dim) {
 }
 
 constexpr int64_t kSplitFrom = 512;  // positions; a shorter item's split costs what it saves
+
 
 // Decode attention for n sequences, one query each: row r's heads at q + r * qs, its output at
 // out + r * os, its length lens[r] and its block table at tables + r * width. Work items, one
