@@ -33,6 +33,7 @@ __all__ = [
     "start_worker",
     "stop_group",
     "wait_healthy",
+    "wait_healthy_or_restart",
 ]
 
 
@@ -80,6 +81,28 @@ def wait_healthy(
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url} was not healthy after {timeout:.0f}s")
+
+
+# uvicorn's exit code where startup fails, as when its port was taken after free_port chose it
+# (a worker binds only once its model is loaded; another process's outbound connection may take
+# the port as its own in the meantime).
+STARTUP_FAILED = 3
+
+
+def wait_healthy_or_restart(
+    url: str, proc: subprocess.Popen, start, tries: int = 3
+) -> tuple[str, subprocess.Popen]:
+    """``wait_healthy``; where the process exited as a failed startup, ``start()`` it again
+    (another free port), up to ``tries`` starts in all. Returns the healthy (url, proc)."""
+    for attempt in range(tries):
+        try:
+            wait_healthy(url, proc)
+            return url, proc
+        except RuntimeError:
+            if proc.poll() != STARTUP_FAILED or attempt == tries - 1:
+                raise
+            url, proc = start()
+    raise AssertionError("unreachable")
 
 
 def metric(

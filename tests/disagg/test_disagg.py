@@ -12,7 +12,7 @@ import subprocess
 
 import httpx
 import pytest
-from procs import as_router, metric, start_worker, stop_group, wait_healthy
+from procs import as_router, metric, start_worker, stop_group, wait_healthy_or_restart
 
 SECRET = "disagg-test-secret"
 MAX_TOKENS = 8
@@ -52,12 +52,14 @@ SECRETS = {"d_wrong": "not-the-secret"}
 @pytest.fixture(scope="module")
 def cluster():
     """Every worker of this module, started together: they load in parallel."""
-    procs = {
-        name: start_worker(args, secret=SECRETS.get(name, SECRET)) for name, args in SPECS.items()
-    }
+
+    def start(name: str) -> tuple[str, subprocess.Popen]:
+        return start_worker(SPECS[name], secret=SECRETS.get(name, SECRET))
+
+    procs = {name: start(name) for name in SPECS}
     try:
-        for url, proc in procs.values():
-            wait_healthy(url, proc)
+        for name, (url, proc) in procs.items():
+            procs[name] = wait_healthy_or_restart(url, proc, lambda name=name: start(name))
         urls = Cluster({name: url for name, (url, _) in procs.items()})
         urls.procs = {name: proc for name, (_, proc) in procs.items()}
         yield urls
