@@ -280,10 +280,7 @@ class TileRun {
                                              _mm512_set1_epi32(16));
     for (int64_t p = p0; p < p1; p += 16 - p % 16) {
       const int64_t n = std::min(16 - p % 16, p1 - p);
-      for (int64_t i = p + 16; i < std::min(p + 32, p1); ++i) {
-        const char* row = reinterpret_cast<const char*>(row_of(kc_, i));
-        for (int64_t line = 0; line < hd * 2; line += 64) _mm_prefetch(row + line, _MM_HINT_T1);
-      }
+      for (int64_t i = p + 16; i < std::min(p + 32, p1); ++i) prefetch(row_of(kc_, i));
       const uint16_t* rows = row_of(kc_, p);
       int64_t step = lay_.pos_stride * 2;
       if (n != 16 || p % lay_.block_size + 16 > lay_.block_size) {  // gather, zero-padded
@@ -355,15 +352,13 @@ class TileRun {
     // positions 32c + 2i and 32c + 2i + 1, interleaved (zero past the longest query's length).
     int64_t block = 0, at = 0;  // position p's block in the table and its row there
     auto next = [&]() {
-      const uint16_t* row = vc_ + table_[block] * lay_.block_stride + at * lay_.pos_stride + kv_head_ * hd;
+      const uint16_t* row = row_at(vc_, block, at);
       if (++at == lay_.block_size) at = 0, ++block;
       return row;
     };
     int64_t ahead_block = 0, ahead_at = 0;  // kAhead positions on: fetched early
     auto fetch = [&]() {
-      const char* row = reinterpret_cast<const char*>(
-          vc_ + table_[ahead_block] * lay_.block_stride + ahead_at * lay_.pos_stride + kv_head_ * hd);
-      for (int64_t line = 0; line < hd * 2; line += 64) _mm_prefetch(row + line, _MM_HINT_T1);
+      prefetch(row_at(vc_, ahead_block, ahead_at));
       if (++ahead_at == lay_.block_size) ahead_at = 0, ++ahead_block;
     };
     int64_t fetched = 0;
@@ -409,9 +404,17 @@ class TileRun {
     for (int i = 0; i < 6; ++i) c.rows[i] = 16, c.colsb[i] = 64;
     _tile_loadconfig(&c);
   }
+  // The row at `at` of the table's block `block` in `cache` (this run's kv head's columns).
+  const uint16_t* row_at(const uint16_t* cache, int64_t block, int64_t at) const {
+    return cache + table_[block] * lay_.block_stride + at * lay_.pos_stride + kv_head_ * hd;
+  }
   const uint16_t* row_of(const uint16_t* cache, int64_t p) const {
-    return cache + table_[p / lay_.block_size] * lay_.block_stride +
-           (p % lay_.block_size) * lay_.pos_stride + kv_head_ * hd;
+    return row_at(cache, p / lay_.block_size, p % lay_.block_size);
+  }
+  // A row's lines, asked for early.
+  static void prefetch(const uint16_t* row) {
+    const char* bytes = reinterpret_cast<const char*>(row);
+    for (int64_t line = 0; line < hd * 2; line += 64) _mm_prefetch(bytes + line, _MM_HINT_T1);
   }
 
   const float* q_;
