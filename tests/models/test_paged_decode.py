@@ -185,3 +185,44 @@ def test_each_variant_builds_apart(monkeypatch, tmp_path):
     (_, source, target, defines) = built[0]
     assert target.name.startswith(f"paged_decode-{name}-")
     assert defines == (f"-DSPLITSERVE_{name.upper()}",)
+
+
+@pytest.mark.skipif(NATIVE_OFF is not None, reason=str(NATIVE_OFF))
+@pytest.mark.parametrize(
+    ("block", "kv_heads", "heads", "head_dim", "cuts"),
+    [
+        (16, 3, 9, 64, [0, 1, 37, 64, 300]),  # the default model's shape
+        (32, 2, 16, 128, [0, 90, 91, 600]),  # 8 heads a group: more than four tiles of pairs
+        (8, 4, 4, 32, [0, 50, 129]),  # blocks shorter than a span, no GQA
+        (16, 1, 6, 16, [0, 70]),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefill_chunk_gives_each_query_its_decode_rows_bits(
+    block, kv_heads, heads, head_dim, cuts, dtype
+):
+    """One sequence prefilled in chunks [cuts[i], cuts[i + 1]) (its K/V in the cache, the chunk
+    reading its earlier positions there): each query's output equals, bit for bit, a decode
+    row's at its position, batched or alone (a long one split over the threads)."""
+    gen = torch.Generator().manual_seed(9)
+    length = cuts[-1]
+    blocks = -(-length // block) + 2
+    shape = (blocks, block, kv_heads, head_dim)
+    kc = torch.randn(shape, generator=gen).to(dtype)
+    vc = torch.randn(shape, generator=gen).to(dtype)
+    table = torch.from_numpy(np.random.default_rng(10).permutation(blocks)[: -(-length // block)])
+    q = torch.randn(length, heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    prefilled = torch.cat(
+        [
+            paged_decode.prefill_attention(q[a:b], kc, vc, table, a, scale)
+            for a, b in zip(cuts[:-1], cuts[1:], strict=True)
+        ]
+    )
+    tables = np.tile(table.numpy(), (length, 1))
+    lens = np.arange(1, length + 1, dtype=np.int64)
+    decoded = paged_decode.decode_attention(q, kc, vc, tables, lens, scale, 2)
+    assert torch.equal(prefilled, decoded)
+    last = slice(length - 1, length)
+    alone = paged_decode.decode_attention(q[last], kc, vc, tables[last], lens[last], scale, 2)
+    assert torch.equal(prefilled[last], alone)

@@ -201,11 +201,12 @@ class Run {
 
 
 #if defined(SPLITSERVE_AMX)
-// out (16 x 16 floats) = in (16 x 16 floats) transposed: unpacks of 32 and 64 bits, then two
-// rounds of 128-bit lane shuffles.
-inline void transpose16(const float* in, float* out) {
+// out (16 x 16 floats, rows 16 apart) = the 16 floats at rows[i] + offset (zeros where rows[i]
+// is null), i < 16, transposed: unpacks of 32 and 64 bits, then two rounds of 128-bit lane
+// shuffles. (It moves 32-bit words: bfloat16 pairs as well as floats.)
+inline void transpose16(const float* const rows[16], int64_t offset, float* out) {
   __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(in + 16 * i);
+  for (int i = 0; i < 16; ++i) r[i] = rows[i] ? _mm512_loadu_ps(rows[i] + offset) : _mm512_setzero_ps();
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);  // per 128-bit lane: a0 b0 a1 b1
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);  // a2 b2 a3 b3
@@ -220,10 +221,68 @@ inline void transpose16(const float* in, float* out) {
     const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44), b = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE);
     const __m512 c = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44),
                  d = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
-    _mm512_store_ps(out + 16 * j, _mm512_shuffle_f32x4(a, c, 0x88));
-    _mm512_store_ps(out + 16 * (4 + j), _mm512_shuffle_f32x4(a, c, 0xDD));
-    _mm512_store_ps(out + 16 * (8 + j), _mm512_shuffle_f32x4(b, d, 0x88));
-    _mm512_store_ps(out + 16 * (12 + j), _mm512_shuffle_f32x4(b, d, 0xDD));
+    _mm512_storeu_ps(out + 16 * j, _mm512_shuffle_f32x4(a, c, 0x88));
+    _mm512_storeu_ps(out + 16 * (4 + j), _mm512_shuffle_f32x4(a, c, 0xDD));
+    _mm512_storeu_ps(out + 16 * (8 + j), _mm512_shuffle_f32x4(b, d, 0x88));
+    _mm512_storeu_ps(out + 16 * (12 + j), _mm512_shuffle_f32x4(b, d, 0xDD));
+  }
+}
+
+// The row at `at` of the table's block `block` in `cache`, kv head kv_head's columns.
+template <int NC>
+const uint16_t* cache_row(const uint16_t* cache, const int64_t* table, const Layout& lay,
+                          int64_t kv_head, int64_t block, int64_t at) {
+  return cache + table[block] * lay.block_stride + at * lay.pos_stride + kv_head * NC * kLanes;
+}
+
+// A row's lines (head_dim 16 NC bfloat16), asked for early.
+template <int NC>
+void prefetch_row(const uint16_t* row) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t line = 0; line < NC * kLanes * 2; line += 64) _mm_prefetch(bytes + line, _MM_HINT_T1);
+}
+
+// Columns [16 c0, 16 (c0 + nd)) of kv head `kv_head`'s v rows at positions [p0, end) of a
+// sequence (table: its blocks), paired into the tiles the weighted sums read: dims
+// [16d, 16d + 16) at dst + (d - c0) * tile, chunk c (32 positions) at + 512 c, its row i holding
+// positions 32c + 2i and 32c + 2i + 1 interleaved. Positions [rows, end) are zero (p0 and end
+// even, p0 <= rows).
+template <int NC>
+void pair_rows(const uint16_t* vc, const int64_t* table, int64_t kv_head, const Layout& lay,
+               int64_t p0, int64_t rows, int64_t end, int64_t c0, int64_t nd, uint16_t* dst,
+               int64_t tile) {
+  constexpr int64_t kAhead = 48;  // positions fetched ahead
+  // Pairs of 16-bit lanes: a's i-th, then b's i-th.
+  const __m512i mix = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003,
+                                        0x00140004, 0x00150005, 0x00160006, 0x00170007,
+                                        0x00180008, 0x00190009, 0x001A000A, 0x001B000B,
+                                        0x001C000C, 0x001D000D, 0x001E000E, 0x001F000F);
+  auto row_at = [&](int64_t block, int64_t at) { return cache_row<NC>(vc, table, lay, kv_head, block, at); };
+  int64_t block = p0 / lay.block_size, at = p0 % lay.block_size;  // the next row's place
+  auto next = [&]() {
+    const uint16_t* row = row_at(block, at);
+    if (++at == lay.block_size) at = 0, ++block;
+    return row;
+  };
+  int64_t ahead_block = block, ahead_at = at, fetched = p0;  // rows asked for early
+  auto fetch = [&]() {
+    prefetch_row<NC>(row_at(ahead_block, ahead_at));
+    if (++ahead_at == lay.block_size) ahead_at = 0, ++ahead_block;
+    ++fetched;
+  };
+  while (fetched < std::min(p0 + kAhead, rows)) fetch();
+  for (int64_t p = p0; p < end; p += 2) {
+    for (int k = 0; k < 2 && fetched < rows; ++k) fetch();
+    const uint16_t* a = p < rows ? next() : nullptr;
+    const uint16_t* b = p + 1 < rows ? next() : nullptr;
+    for (int64_t d = c0; d < c0 + nd; ++d) {
+      const __m256i lo = a ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d * 16))
+                           : _mm256_setzero_si256();
+      const __m256i hi = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d * 16))
+                           : _mm256_setzero_si256();
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      _mm512_storeu_si512(dst + (d - c0) * tile + p * 16, _mm512_permutexvar_epi16(mix, both));
+    }
   }
 }
 
@@ -245,7 +304,6 @@ template <int NC>
 class TileRun {
  public:
   static constexpr int64_t hd = NC * kLanes, kChunks = hd / 32;
-  static constexpr int64_t kAhead = 48;  // positions of v fetched ahead
 
   TileRun(const float* q, int64_t qstride, int64_t nq, int64_t first, const uint16_t* kc,
           const uint16_t* vc, const int64_t* table, int64_t kv_head, float scale, const Layout& lay,
@@ -258,55 +316,66 @@ class TileRun {
 
   int64_t longest() const { return longest_; }
 
-  // The scores of positions [p0, p1) (p0 a multiple of 16) for every query.
+  // The scores of positions [p0, p1) (p0 a multiple of 16) for every query, unscaled (weigh
+  // scales them).
   void score(int64_t p0, int64_t p1) {
     configure();
-    // q^T as the tiles' second operand: for group t and chunk c, row i holds dims 32c + 2i and
-    // 32c + 2i + 1 of the group's 16 (query, head) pairs (zero past the last pair).
-    thread_local std::vector<uint16_t> qt;
-    qt.assign(static_cast<size_t>(groups_ * kChunks * 512), 0);
+    // The tiles' first operand: the (query, head) pairs' q rows in bfloat16, 16 pairs a group
+    // (zero past the last pair).
+    thread_local std::vector<uint16_t> qrows;
+    qrows.resize(static_cast<size_t>(groups_ * 16 * hd));
     for (int64_t pair = 0; pair < pairs_; ++pair) {
       const float* row = q_ + (pair / g_) * qstride_ + (pair % g_) * hd;
-      uint16_t* tile = qt.data() + (pair / 16) * kChunks * 512;
-      alignas(64) uint16_t bits[hd];
-      for (int64_t c = 0; c < NC; ++c) store_bf16(bits + c * kLanes, loadu(row + c * kLanes));
-      for (int64_t d = 0; d < hd; ++d)
-        tile[(d / 32) * 512 + ((d % 32) / 2) * 32 + (pair % 16) * 2 + d % 2] = bits[d];
+      for (int64_t c = 0; c < NC; ++c) store_bf16(qrows.data() + pair * hd + c * kLanes, loadu(row + c * kLanes));
     }
-    alignas(64) uint16_t gathered[16 * hd];
-    alignas(64) float sums[16 * 16], columns[16 * 16];
-    const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                                11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32(16));
-    for (int64_t p = p0; p < p1; p += 16 - p % 16) {
-      const int64_t n = std::min(16 - p % 16, p1 - p);
-      for (int64_t i = p + 16; i < std::min(p + 32, p1); ++i) prefetch(row_of(kc_, i));
-      const uint16_t* rows = row_of(kc_, p);
-      int64_t step = lay_.pos_stride * 2;
-      if (n != 16 || p % lay_.block_size + 16 > lay_.block_size) {  // gather, zero-padded
-        for (int64_t i = 0; i < 16; ++i) {
-          if (i < n)
-            std::memcpy(gathered + i * hd, row_of(kc_, p + i), hd * 2);
-          else
-            std::memset(gathered + i * hd, 0, hd * 2);
-        }
-        rows = gathered, step = hd * 2;
+    std::memset(qrows.data() + pairs_ * hd, 0, (groups_ * 16 - pairs_) * hd * 2);
+    // The second: k^T, for chunk c row i holding dims 32c + 2i and 32c + 2i + 1 of the span's 16
+    // positions (zero past its last).
+    alignas(64) uint16_t kt[kChunks * 512];
+    alignas(64) float sums[16 * 16];
+    const float* rows[16];
+    int64_t block = p0 / lay_.block_size, at = p0 % lay_.block_size;  // position p's place
+    for (int64_t p = p0; p < p1; p += 16) {
+      const int64_t n = std::min<int64_t>(16, p1 - p);
+      for (int64_t i = 0; i < 16; ++i) {
+        rows[i] = i < n ? reinterpret_cast<const float*>(row_at(kc_, block, at)) : nullptr;
+        if (i < n && ++at == lay_.block_size) at = 0, ++block;
       }
-      for (int64_t t = 0; t < groups_; ++t) {
+      for (int64_t i = p + 16; i < std::min(p + 32, p1); ++i) prefetch_row<NC>(row_of(kc_, i));
+      for (int64_t c = 0; c < kChunks; ++c) transpose16(rows, c * 16, reinterpret_cast<float*>(kt + c * 512));
+      for (int64_t t0 = 0; t0 < groups_; t0 += 4) {
+        const int64_t nt = std::min<int64_t>(4, groups_ - t0);
+        const uint16_t* a = qrows.data() + t0 * 16 * hd;
         _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
         for (int64_t c = 0; c < kChunks; ++c) {
-          _tile_loadd(1, rows + c * 32, step);
-          _tile_loadd(2, qt.data() + (t * kChunks + c) * 512, 64);
-          _tile_dpbf16ps(0, 1, 2);
+          _tile_loadd(6, kt + c * 512, 64);
+          _tile_loadd(4, a + c * 32, hd * 2);
+          _tile_dpbf16ps(0, 4, 6);
+          if (nt > 1) {
+            _tile_loadd(5, a + 16 * hd + c * 32, hd * 2);
+            _tile_dpbf16ps(1, 5, 6);
+          }
+          if (nt > 2) {
+            _tile_loadd(4, a + 32 * hd + c * 32, hd * 2);
+            _tile_dpbf16ps(2, 4, 6);
+          }
+          if (nt > 3) {
+            _tile_loadd(5, a + 48 * hd + c * 32, hd * 2);
+            _tile_dpbf16ps(3, 5, 6);
+          }
         }
-        _tile_stored(0, sums, 64);
-        const Vec s = set1(scale_);
-        const int64_t cols = std::min<int64_t>(16, pairs_ - t * 16);
-        if (cols > 4) transpose16(sums, columns);  // else a gather a column
-        for (int64_t col = 0; col < cols; ++col) {
-          const Vec v = cols > 4 ? load(columns + col * 16)
-                                 : _mm512_i32gather_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(col)), sums, 4);
-          store_n(scores_ + (t * 16 + col) * stride_ + p, n, mul(v, s));
+        for (int64_t k = 0; k < nt; ++k) {
+          const int64_t t = t0 + k, last = std::min<int64_t>(16, pairs_ - t * 16);
+          float* dst = scores_ + t * 16 * stride_ + p;
+          if (last == 16) {
+            store_sums(k, dst, stride_ * 4);
+          } else {
+            store_sums(k, sums, 64);
+            for (int64_t row = 0; row < last; ++row) storeu(dst + row * stride_, load(sums + row * 16));
+          }
         }
       }
     }
@@ -316,21 +385,27 @@ class TileRun {
   // head's total of them into totals[r * g + j].
   void weigh(float*, float* totals) {
     thread_local std::vector<uint16_t> w;
-    w.assign(static_cast<size_t>(groups_ * 16 * wstride_), 0);
+    w.resize(static_cast<size_t>(groups_ * 16 * wstride_));
     weights_ = w.data();
+    std::memset(weights_ + pairs_ * wstride_, 0, (groups_ * 16 - pairs_) * wstride_ * 2);
     for (int64_t pair = 0; pair < pairs_; ++pair) {
       const int64_t len = first_ + pair / g_;
       const float* s = scores_ + pair * stride_;
       uint16_t* out = weights_ + pair * wstride_;
       Vec best = set1(-__builtin_inff());
-      for (int64_t p = 0; p < len; p += kLanes) best = max_first(best, first_lanes(len - p), loadu(s + p));
+      const Vec scale = set1(scale_);
+      for (int64_t p = 0; p < len; p += kLanes)
+        best = max_first(best, first_lanes(len - p), mul(loadu(s + p), scale));
       const Vec top = set1(reduce_max(best));
       Vec total = zero();
-      for (int64_t p = 0; p < len; p += kLanes) {
+      int64_t p = 0;
+      for (; p < len; p += kLanes) {  // lanes past len weigh zero
         const Mask m = first_lanes(len - p);
-        store_n(out + p, len - p, exp_nonpositive(sub(load_first(m, s + p), top)));
-        total = add_first(total, m, load_n(out + p, len - p));
+        const __m256i bits = weight_bits(m, sub(mul(load_first(m, s + p), scale), top));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + p), bits);
+        total = add(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
       }
+      std::memset(out + p, 0, (wstride_ - p) * 2);
       totals[pair] = reduce_add(total);
     }
   }
@@ -338,83 +413,98 @@ class TileRun {
   // Output columns [16 c0, 16 (c0 + NP)) of every query and head (after weigh, on this thread).
   template <int NP>
   void values(int64_t c0, const float*, const float* totals, float* out) {
-    configure();
-    const int64_t chunks = wstride_ / 32, tile = chunks * 512;
+    const int64_t tile = wstride_ / 32 * 512;
     thread_local std::vector<uint16_t> vt;
     vt.resize(static_cast<size_t>(NP * tile));
+    pair_rows<NC>(vc_, table_, kv_head_, lay_, 0, longest_, wstride_, c0, NP, vt.data(), tile);
+    values_from<NP>(c0, vt.data(), tile, totals, out);
+  }
+
+  // values' sums over v paired into tiles already (pair_rows, columns [16 c0, 16 (c0 + NP))
+  // at vt, `tile` elements apart, covering positions [0, wstride)).
+  template <int NP>
+  void values_from(int64_t c0, const uint16_t* vt, int64_t tile, const float* totals, float* out) {
+    configure();
+    const int64_t chunks = wstride_ / 32;
     alignas(64) float sums[16 * 16];
-    // Pairs of 16-bit lanes: a's i-th, then b's i-th.
-    const __m512i mix = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003,
-                                          0x00140004, 0x00150005, 0x00160006, 0x00170007,
-                                          0x00180008, 0x00190009, 0x001A000A, 0x001B000B,
-                                          0x001C000C, 0x001D000D, 0x001E000E, 0x001F000F);
-    // v's dims [16d, 16d + 16) as tiles (vt + (d - c0) * tile): row i of chunk c holds
-    // positions 32c + 2i and 32c + 2i + 1, interleaved (zero past the longest query's length).
-    int64_t block = 0, at = 0;  // position p's block in the table and its row there
-    auto next = [&]() {
-      const uint16_t* row = row_at(vc_, block, at);
-      if (++at == lay_.block_size) at = 0, ++block;
-      return row;
-    };
-    int64_t ahead_block = 0, ahead_at = 0;  // kAhead positions on: fetched early
-    auto fetch = [&]() {
-      prefetch(row_at(vc_, ahead_block, ahead_at));
-      if (++ahead_at == lay_.block_size) ahead_at = 0, ++ahead_block;
-    };
-    int64_t fetched = 0;
-    for (; fetched < std::min<int64_t>(kAhead, longest_); ++fetched) fetch();
-    for (int64_t p = 0; p < wstride_; p += 2) {
-      for (int k = 0; k < 2 && fetched < longest_; ++k, ++fetched) fetch();
-      const uint16_t* a = p < longest_ ? next() : nullptr;
-      const uint16_t* b = p + 1 < longest_ ? next() : nullptr;
-      for (int64_t d = c0; d < c0 + NP; ++d) {
-        const __m256i lo = a ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d * 16))
-                             : _mm256_setzero_si256();
-        const __m256i hi = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d * 16))
-                             : _mm256_setzero_si256();
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        _mm512_storeu_si512(vt.data() + (d - c0) * tile + p * 16, _mm512_permutexvar_epi16(mix, both));
-      }
-    }
-    for (int64_t d = c0; d < c0 + NP; ++d) {
-      const uint16_t* vd = vt.data() + (d - c0) * tile;
+    float inv[kQueryRun * kMaxGroup];
+    for (int64_t pair = 0; pair < pairs_; ++pair) inv[pair] = 1.0f / totals[pair];
+    // Up to four column tiles at a time (sums in tiles 0-3), each group's weights loaded once
+    // a chunk for all of them.
+    for (int64_t d0 = c0; d0 < c0 + NP; d0 += 4) {
+      const int64_t nd = std::min<int64_t>(4, c0 + NP - d0);
+      const uint16_t* vd = vt + (d0 - c0) * tile;
       for (int64_t t = 0; t < groups_; ++t) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
         _tile_zero(3);
         for (int64_t c = 0; c < chunks; ++c) {
           _tile_loadd(4, weights_ + t * 16 * wstride_ + c * 32, wstride_ * 2);
           _tile_loadd(5, vd + c * 512, 64);
-          _tile_dpbf16ps(3, 4, 5);
+          _tile_dpbf16ps(0, 4, 5);
+          if (nd > 1) {
+            _tile_loadd(6, vd + tile + c * 512, 64);
+            _tile_dpbf16ps(1, 4, 6);
+          }
+          if (nd > 2) {
+            _tile_loadd(5, vd + 2 * tile + c * 512, 64);
+            _tile_dpbf16ps(2, 4, 5);
+          }
+          if (nd > 3) {
+            _tile_loadd(6, vd + 3 * tile + c * 512, 64);
+            _tile_dpbf16ps(3, 4, 6);
+          }
         }
-        _tile_stored(3, sums, 64);
-        for (int64_t row = 0; row < 16 && t * 16 + row < pairs_; ++row) {
-          const int64_t pair = t * 16 + row;
-          const Vec inv = set1(1.0f / totals[pair]);
-          storeu(out + (pair / g_) * qstride_ + (pair % g_) * hd + d * kLanes,
-                 mul(load(sums + row * 16), inv));
+        for (int64_t k = 0; k < nd; ++k) {
+          store_sums(k, sums, 64);
+          for (int64_t row = 0; row < 16 && t * 16 + row < pairs_; ++row) {
+            const int64_t pair = t * 16 + row;
+            storeu(out + (pair / g_) * qstride_ + (pair % g_) * hd + (d0 + k) * kLanes,
+                   mul(load(sums + row * 16), set1(inv[pair])));
+          }
         }
       }
     }
   }
 
  private:
-  // Every tile 16 rows x 64 bytes: 0 score sums, 1 k rows, 2 q^T, 3 weighted sums, 4 weights,
-  // 5 v rows (paired). Loaded on every call: amx.h's products release the tiles.
+  // exp(x) for x <= 0 in the lanes of m, as bfloat16 bits (zero elsewhere): 2^n 2^f with
+  // n = round(x log2 e) and a degree-4 fit of 2^f on [-1/2, 1/2] (relative error 2.7e-6, far
+  // below bfloat16's 2^-9), rounded to nearest even. The rounding flushes subnormals to zero:
+  // a weight below 2^-126 adds nothing to a total of at least 1, and the tiles' products read
+  // a subnormal as zero.
+  static __m256i weight_bits(Mask m, Vec x) {
+    const Vec t = mul(max(x, set1(-104.0f)), set1(1.44269504088896341f));
+    const Vec n = round_nearest(t), f = sub(t, n);
+    Vec e = set1(9.560510516166687e-3f);
+    e = fmadd(e, f, set1(5.591703951358795e-2f));
+    e = fmadd(e, f, set1(2.4024981260299683e-1f));
+    e = fmadd(e, f, set1(6.931219696998596e-1f));
+    e = fmadd(e, f, set1(9.999991655349731e-1f));
+    return reinterpret_cast<__m256i>(_mm512_maskz_cvtneps_pbh(m, scale_by_pow2(e, n)));
+  }
+  // Every tile 16 rows x 64 bytes: 0 score sums, 1 k rows, 2 q^T; 0-3 weighted sums, 4
+  // weights, 5-6 v rows (paired). Loaded on every call: amx.h's products release the tiles.
   static void configure() {
     amx::TileConfig c;
-    for (int i = 0; i < 6; ++i) c.rows[i] = 16, c.colsb[i] = 64;
+    for (int i = 0; i < 7; ++i) c.rows[i] = 16, c.colsb[i] = 64;
     _tile_loadconfig(&c);
   }
-  // The row at `at` of the table's block `block` in `cache` (this run's kv head's columns).
+  // Tile k's (< 4) float32 sums (16 rows of 16) into `sums`, rows `bytes` apart.
+  static void store_sums(int64_t k, float* sums, int64_t bytes) {
+    switch (k) {
+      case 0: _tile_stored(0, sums, bytes); break;
+      case 1: _tile_stored(1, sums, bytes); break;
+      case 2: _tile_stored(2, sums, bytes); break;
+      default: _tile_stored(3, sums, bytes); break;
+    }
+  }
   const uint16_t* row_at(const uint16_t* cache, int64_t block, int64_t at) const {
-    return cache + table_[block] * lay_.block_stride + at * lay_.pos_stride + kv_head_ * hd;
+    return cache_row<NC>(cache, table_, lay_, kv_head_, block, at);
   }
   const uint16_t* row_of(const uint16_t* cache, int64_t p) const {
     return row_at(cache, p / lay_.block_size, p % lay_.block_size);
-  }
-  // A row's lines, asked for early.
-  static void prefetch(const uint16_t* row) {
-    const char* bytes = reinterpret_cast<const char*>(row);
-    for (int64_t line = 0; line < hd * 2; line += 64) _mm_prefetch(bytes + line, _MM_HINT_T1);
   }
 
   const float* q_;
@@ -486,6 +576,69 @@ auto by_head_dim(int64_t head_dim, const Pick& pick) -> decltype(pick(std::integ
 template <typename T>
 AttendFn<T> attend_fn(int64_t head_dim) {
   return by_head_dim(head_dim, [](auto nc) -> AttendFn<T> { return attend<T, decltype(nc)::value>; });
+}
+
+// A prefill chunk: n queries of one sequence at positions [start, start + n), query i's heads at
+// q + i * qs and its output at out + i * qs, the chunk's own K/V in the cache already. Work
+// items, one per run of kQueryRun queries and kv head, go over torch's intra-op threads. Where
+// the tiles take the rows, each kv head's v is paired into tiles once for the whole chunk
+// (pair_rows), and every run reads its positions from there.
+template <typename T, int NC>
+void prefill(const float* q, int64_t qs, int64_t n, int64_t start, const T* kc, const T* vc,
+             const int64_t* table, int64_t kv_heads, float scale, const Layout& lay, float* out) {
+  constexpr int64_t hd = NC * kLanes;
+  const int64_t runs = (n + kQueryRun - 1) / kQueryRun, g = lay.group;
+  // Later runs see more positions: runs are dealt from both ends, so that the contiguous
+  // ranges at::parallel_for hands each thread carry similar work.
+  auto each_run = [&](auto&& attend_run) {
+    at::parallel_for(0, runs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t kh = item % kv_heads, k = item / kv_heads;
+        const int64_t run = k % 2 == 0 ? k / 2 : runs - 1 - k / 2;
+        const int64_t q0 = run * kQueryRun, nq = std::min(kQueryRun, n - q0);
+        const int64_t longest = start + q0 + nq;
+        scores.resize(static_cast<size_t>(nq * g * ((longest + kLanes - 1) / kLanes * kLanes)));
+        const int64_t row = q0 * qs + kh * g * hd;
+        attend_run(q + row, nq, start + q0 + 1, kh, scores.data(), out + row);
+      }
+    });
+  };
+#if defined(SPLITSERVE_AMX)
+  if constexpr (std::is_same_v<T, uint16_t> && NC % 2 == 0) {
+    if (tiles_for<T, NC>()) {
+      const int64_t chunks = (start + n + 31) / 32, tile = chunks * 512;
+      std::vector<uint16_t> vt(static_cast<size_t>(kv_heads * NC * tile));
+      at::parallel_for(0, kv_heads * chunks, 8, [&](int64_t begin, int64_t end) {
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t kh = item / chunks, p0 = item % chunks * 32;
+          pair_rows<NC>(vc, table, kh, lay, p0, std::min(start + n, p0 + 32), p0 + 32, 0, NC,
+                        vt.data() + kh * NC * tile, tile);
+        }
+      });
+      each_run([&](const float* qr, int64_t nq, int64_t first, int64_t kh, float* scores, float* o) {
+        float totals[kQueryRun * kMaxGroup];
+        TileRun<NC> run(qr, qs, nq, first, kc, vc, table, kh, scale, lay, scores);
+        run.score(0, run.longest());
+        run.weigh(scores, totals);
+        run.template values_from<NC>(0, vt.data() + kh * NC * tile, tile, totals, o);
+      });
+      return;
+    }
+  }
+#endif
+  each_run([&](const float* qr, int64_t nq, int64_t first, int64_t kh, float* scores, float* o) {
+    attend<T, NC>(qr, qs, nq, first, kc, vc, table, kh, scale, lay, scores, o);
+  });
+}
+
+template <typename T>
+using PrefillFn = void (*)(const float*, int64_t, int64_t, int64_t, const T*, const T*, const int64_t*,
+                           int64_t, float, const Layout&, float*);
+
+template <typename T>
+PrefillFn<T> prefill_fn(int64_t head_dim) {
+  return by_head_dim(head_dim, [](auto nc) -> PrefillFn<T> { return prefill<T, decltype(nc)::value>; });
 }
 
 constexpr int64_t kSplitFrom = 512;  // positions; a shorter item's split costs what it saves

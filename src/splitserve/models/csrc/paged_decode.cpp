@@ -17,10 +17,7 @@
 namespace {
 
 using attn::attend_fn;
-using attn::AttendFn;
-using attn::kLanes;
 using attn::kMaxGroup;
-using attn::kQueryRun;
 using attn::Layout;
 
 struct Caches {
@@ -57,24 +54,9 @@ void decode_rows(const at::Tensor& q, const Caches& c, int64_t kvh, const int64_
 template <typename T>
 void prefill_rows(const at::Tensor& q, const Caches& c, int64_t kvh, const int64_t* table,
                   int64_t start, float scale, at::Tensor& out) {
-  const int64_t n = q.size(0), h = q.size(1), hd = q.size(2), g = c.lay.group;
-  const int64_t runs = (n + kQueryRun - 1) / kQueryRun;
-  const AttendFn<T> fn = attend_fn<T>(hd);
-  // Later runs see more positions: runs are dealt from both ends, so that the contiguous
-  // ranges at::parallel_for hands each thread carry similar work.
-  at::parallel_for(0, runs * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t kh = item % kvh, k = item / kvh;
-      const int64_t run = k % 2 == 0 ? k / 2 : runs - 1 - k / 2;
-      const int64_t q0 = run * kQueryRun, nq = std::min(kQueryRun, n - q0);
-      const int64_t longest = start + q0 + nq;
-      scores.resize(static_cast<size_t>(nq * g * ((longest + kLanes - 1) / kLanes * kLanes)));
-      const int64_t row = (q0 * h + kh * g) * hd;
-      fn(q.data_ptr<float>() + row, h * hd, nq, start + q0 + 1, static_cast<const T*>(c.k),
-         static_cast<const T*>(c.v), table, kh, scale, c.lay, scores.data(), out.data_ptr<float>() + row);
-    }
-  });
+  const int64_t h = q.size(1), hd = q.size(2);
+  attn::prefill_fn<T>(hd)(q.data_ptr<float>(), h * hd, q.size(0), start, static_cast<const T*>(c.k),
+                          static_cast<const T*>(c.v), table, kvh, scale, c.lay, out.data_ptr<float>());
 }
 
 // Decode rows: q [n, h, hd] float32, row r one query at position lens[r] - 1 of the sequence

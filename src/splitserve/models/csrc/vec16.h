@@ -15,8 +15,9 @@
 
 namespace vec16 {
 
-// Set where the build may use AMX tiles for bfloat16 (amx.h; attend.h's bfloat16 attention).
-#if defined(SPLITSERVE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Set where the build may use AMX tiles for bfloat16 (amx.h; attend.h's bfloat16 attention),
+// and with them AVX-512 BF16's conversions (every CPU with AMX-BF16 has them).
+#if defined(SPLITSERVE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define SPLITSERVE_AMX 1
 #endif
 
