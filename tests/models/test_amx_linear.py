@@ -79,3 +79,26 @@ def test_bad_operands_raise_a_clear_error():
         amx_linear.linear(rows(2, 96, seed=5), tiles)
     with pytest.raises(RuntimeError, match="bias"):
         amx_linear.linear(rows(2, 64, seed=5), tiles, torch.zeros(63))
+
+
+@pytest.mark.parametrize(("inter", "width"), [(1536, 576), (16, 64), (48, 96)])
+def test_silu_linear_gives_silu_mul_of_the_product_bit_for_bit(inter, width):
+    """gate and up in one product, silu(gate) * up in its epilogue: the bits of
+    ``fused_ops.silu_mul`` over the plain product, at any row count and thread count (the
+    decode step's bfloat16 MLP runs the same product)."""
+    from splitserve.models import fused_ops
+
+    w, _ = weights(2 * inter, width, seed=4)
+    tiles = amx_linear.pack(w)
+    assert fused_ops.fits(w), native.load("fused_ops")
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for count in (1, 7, 16, 33, 70):
+                x = rows(count, width, seed=count + 40) * 4  # silu's negative side too
+                got = amx_linear.silu_linear(x, tiles)
+                assert got.shape == (count, inter)
+                assert torch.equal(got, fused_ops.silu_mul(amx_linear.linear(x, tiles))), count
+    finally:
+        torch.set_num_threads(before)

@@ -46,3 +46,10 @@ def linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None = Non
     """``x @ W^T (+ bias)`` for ``x`` ``[rows, in]`` bfloat16 and ``pack(W)``, on torch's
     intra-op threads."""
     return torch.ops.splitserve.amx_linear(x.contiguous(), tiles, bias)
+
+
+def silu_linear(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """``silu(x @ gate^T) * (x @ up^T)`` for ``tiles = pack(gate_up)`` (gate's rows, then up's,
+    each half a multiple of 16 rows): ``silu_mul`` of ``linear(x, tiles)`` in one product, with
+    the same bits."""
+    return torch.ops.splitserve.amx_silu_linear(x.contiguous(), tiles)

@@ -258,6 +258,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.gate_up_proj.packed
+        if packed is not None and packed.dim() == 4 and self.intermediate_size % 16 == 0:
+            return self.down_proj(amx_linear.silu_linear(x, packed))
         gate_up = self.gate_up_proj(x)
         if fused_ops.fits(gate_up):
             return self.down_proj(fused_ops.silu_mul(gate_up))

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "rows.h"
 #include "vec16.h"
 
 #if !defined(SPLITSERVE_AMX)
@@ -71,11 +72,24 @@ inline void emit(const float* sums, int rows, const float* bias, uint16_t* y, in
   for (int r = 0; r < rows; ++r) store_bf16(y + r * ys, add(loadu(sums + r * kCols), b));
 }
 
-// Rows [0, rows0 + rows1) of x (rows1 may be 0) times panels [p, p + W) (W = 1 or 2), into y.
-template <int W>
+// silu(gate) * up for rows of a tile's float32 sums (rows x 16, row stride 16) of gate and of
+// up, each rounded to bfloat16 first (the bits silu_mul gets from the two products), into y.
+inline void emit_silu(const float* gate, const float* up, int rows, uint16_t* y, int64_t ys) {
+  for (int r = 0; r < rows; ++r) {
+    const Vec g = _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16(loadu(gate + r * kCols)), 16));
+    const Vec u = _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16(loadu(up + r * kCols)), 16));
+    store_bf16(y + r * ys, rows::silu_times(g, u));
+  }
+}
+
+// Rows [0, rows0 + rows1) of x (rows1 may be 0) times panel p and, where W = 2, the panel
+// `second` elements on (the next one, or up's beside gate's where kSilu), into y: both
+// panels' columns, or silu(gate) * up where kSilu.
+template <int W, bool kSilu = false>
 void block(const uint16_t* x, int64_t K, int rows0, int rows1, const uint16_t* tiles,
-           const float* bias, uint16_t* y, int64_t N) {
-  const int64_t chunks = K / kDepth, xs = K * 2, panel = chunks * kTileRows * kDepth;
+           int64_t second, const float* bias, uint16_t* y, int64_t N) {
+  static_assert(!kSilu || W == 2);
+  const int64_t chunks = K / kDepth, xs = K * 2;
   const uint16_t* x1 = x + kTileRows * K;
   _tile_zero(0);
   if (W == 2) _tile_zero(1);
@@ -87,7 +101,7 @@ void block(const uint16_t* x, int64_t K, int rows0, int rows1, const uint16_t* t
     const uint16_t* w = tiles + c * kTileRows * kDepth;
     _tile_loadd(4, x + c * kDepth, xs);
     _tile_loadd(6, w, kCols * 4);
-    if (W == 2) _tile_loadd(7, w + panel, kCols * 4);
+    if (W == 2) _tile_loadd(7, w + second, kCols * 4);
     _tile_dpbf16ps(0, 4, 6);
     if (W == 2) _tile_dpbf16ps(1, 4, 7);
     if (rows1 > 0) {
@@ -98,6 +112,18 @@ void block(const uint16_t* x, int64_t K, int rows0, int rows1, const uint16_t* t
   }
   alignas(64) float sums[kTileRows * kCols];
   const int64_t step = kCols * 4;
+  if constexpr (kSilu) {
+    alignas(64) float ups[kTileRows * kCols];
+    _tile_stored(0, sums, step);
+    _tile_stored(1, ups, step);
+    emit_silu(sums, ups, rows0, y, N);
+    if (rows1 > 0) {
+      _tile_stored(2, sums, step);
+      _tile_stored(3, ups, step);
+      emit_silu(sums, ups, rows1, y + kTileRows * N, N);
+    }
+    return;
+  }
   _tile_stored(0, sums, step);
   emit(sums, rows0, bias, y, N);
   if (W == 2) {
@@ -115,14 +141,18 @@ void block(const uint16_t* x, int64_t K, int rows0, int rows1, const uint16_t* t
   }
 }
 
-// y [M, N] = x [M, K] times tiles [N / 16, K / 32, 16, 32] (+ bias [N] float32 unless null).
-// A thread takes its panel pairs in groups of about kGroupBytes of weight, and runs every row
-// block over a group before the next: the weight then comes from memory once, and from the
-// cache for the other row blocks.
-inline void product(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, int64_t N,
+// y [M, N] = x [M, K] times tiles [N / 16, K / 32, 16, 32] (+ bias [N] float32 unless null);
+// where kSilu, the tiles are gate's panels then up's (N = 2 I, no bias) and y [M, I] =
+// silu(x gate^T) * (x up^T). A thread takes its panel pairs (gate's and up's of the same
+// columns where kSilu) in groups of about kGroupBytes of weight, and runs every row block over
+// a group before the next: the weight then comes from memory once, and from the cache for
+// the other row blocks.
+template <bool kSilu = false>
+void product(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, int64_t N,
              const float* bias, uint16_t* y) {
   const int64_t P = N / kCols, pairs = (P + 1) / 2, panel = K / kDepth * kTileRows * kDepth;
   const int64_t group = std::max<int64_t>(1, kGroupBytes / (4 * panel));
+  const int64_t ys = kSilu ? N / 2 : N;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     int loaded = -1;  // the (rows0, rows1) the thread's tile config holds
     for (int64_t g0 = begin; g0 < end; g0 += group) {
@@ -136,12 +166,17 @@ inline void product(const uint16_t* x, int64_t M, int64_t K, const uint16_t* til
           loaded = rows0 * 32 + rows1;
         }
         for (int64_t q = g0; q < g1; ++q) {
+          if constexpr (kSilu) {
+            block<2, true>(x + m0 * K, K, rows0, rows1, tiles + q * panel, pairs * panel, nullptr,
+                           y + m0 * ys + q * kCols, ys);
+            continue;
+          }
           const int64_t p = 2 * q, col = p * kCols;
           const float* b = bias == nullptr ? nullptr : bias + col;
           if (p + 1 < P)
-            block<2>(x + m0 * K, K, rows0, rows1, tiles + p * panel, b, y + m0 * N + col, N);
+            block<2>(x + m0 * K, K, rows0, rows1, tiles + p * panel, panel, b, y + m0 * N + col, N);
           else
-            block<1>(x + m0 * K, K, rows0, rows1, tiles + p * panel, b, y + m0 * N + col, N);
+            block<1>(x + m0 * K, K, rows0, rows1, tiles + p * panel, panel, b, y + m0 * N + col, N);
         }
       }
     }

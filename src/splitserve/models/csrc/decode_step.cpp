@@ -141,6 +141,21 @@ struct DecodeModel : torch::CustomClassHolder {
     return {packed.data_ptr(), in, out, packed.size(0), b};
   }
 
+  // y [n, out / 2] = silu(x gate^T) * (x up^T) in one product, for bfloat16 tiles whose gate
+  // and up halves are whole panels; false where it does not apply (y untouched).
+  template <typename T>
+  static bool silu_product(const Product& p, const T* x, int64_t n, T* y) {
+#if defined(SPLITSERVE_AMX)
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      if (p.out % 32 == 0 && p.bias == nullptr) {
+        amx::product<true>(x, n, p.in, typed<uint16_t>(p.packed), p.out, nullptr, y);
+        return true;
+      }
+    }
+#endif
+    return false;
+  }
+
   template <typename T>
   static void run(const Product& p, const T* x, int64_t n, T* y) {
     if constexpr (std::is_same_v<T, float>) {
@@ -244,11 +259,13 @@ struct DecodeModel : torch::CustomClassHolder {
         rows::add_norm_row(x.data() + r * hidden, d.data() + r * hidden, typed<T>(post_norm[l]), hidden,
                            eps, h.data() + r * hidden);
       });
-      run(gate_up[l], h.data(), n, gu.data());
-      each_row(n, 2 * inter, [&](int64_t r) {
-        rows::silu_mul_row(gu.data() + r * 2 * inter, gu.data() + r * 2 * inter + inter, inter,
-                           act.data() + r * inter);
-      });
+      if (!silu_product<T>(gate_up[l], h.data(), n, act.data())) {
+        run(gate_up[l], h.data(), n, gu.data());
+        each_row(n, 2 * inter, [&](int64_t r) {
+          rows::silu_mul_row(gu.data() + r * 2 * inter, gu.data() + r * 2 * inter + inter, inter,
+                             act.data() + r * inter);
+        });
+      }
       run(down[l], act.data(), n, d.data());
       each_row(n, hidden, [&](int64_t r) {
         T *xr = x.data() + r * hidden, *dr = d.data() + r * hidden;

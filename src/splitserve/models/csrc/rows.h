@@ -72,15 +72,15 @@ inline void rope_row(T* qkv, const T* cos, const T* sin, int64_t heads, int64_t 
 
 // silu(g) = g / (1 + e^-g), as g / (1 + e) for g >= 0 and g e / (1 + e) below, e = e^-|g|:
 // exp_nonpositive's range either way.
+inline Vec silu_times(Vec g, Vec up) {
+  const Vec e = exp_nonpositive(sub(zero(), max(g, sub(zero(), g))));
+  return mul(div(select_nonnegative(g, g, mul(g, e)), add(set1(1.0f), e)), up);
+}
+
 template <typename T>
 inline void silu_mul_row(const T* gate, const T* up, int64_t n, T* y) {
-  const Vec one = set1(1.0f);
-  for (int64_t c = 0; c < n; c += kLanes) {
-    const Vec g = load_n(gate + c, n - c);
-    const Vec e = exp_nonpositive(sub(zero(), max(g, sub(zero(), g))));
-    const Vec s = div(select_nonnegative(g, g, mul(g, e)), add(one, e));
-    store_n(y + c, n - c, mul(s, load_n(up + c, n - c)));
-  }
+  for (int64_t c = 0; c < n; c += kLanes)
+    store_n(y + c, n - c, silu_times(load_n(gate + c, n - c), load_n(up + c, n - c)));
 }
 
 // The index of x's largest element, the first among equals, a NaN counting as the largest:
