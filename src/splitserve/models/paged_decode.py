@@ -101,15 +101,14 @@ def decode_attention(
 
 def _native(q, k_cache, v_cache, tables, lens, scale, threads) -> torch.Tensor:
     with native.intra_op_threads(threads):
-        out = torch.ops.splitserve.paged_decode(
-            q.float().contiguous(),
+        return torch.ops.splitserve.paged_decode(
+            q.contiguous(),
             k_cache,
             v_cache,
             torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int64)),
             torch.from_numpy(np.ascontiguousarray(lens, dtype=np.int64)),
             scale,
         )
-    return out.to(q.dtype)
 
 
 def prefill_attention(
@@ -124,10 +123,9 @@ def prefill_attention(
     of one sequence whose blocks are ``table`` (int64 ``[w]``), its own K/V already in the
     caches; the C++ kernel only (check ``native_fits``). Each query gets the bits a decode
     row at its position gets from ``decode_attention``."""
-    out = torch.ops.splitserve.paged_prefill(
-        q.float().contiguous(), k_cache, v_cache, table.contiguous(), start, scale
+    return torch.ops.splitserve.paged_prefill(
+        q.contiguous(), k_cache, v_cache, table.contiguous(), start, scale
     )
-    return out.to(q.dtype)
 
 
 def warm_up() -> None:

@@ -300,12 +300,12 @@ void pair_rows(const uint16_t* vc, const int64_t* table, int64_t kv_head, const 
 // The queries must be bfloat16 values (they are, widened, in a bfloat16 model). Every tile is
 // 16 rows x 64 bytes; columns of the score sums and rows of the weighted sums are the
 // (query, head) pairs, 16 at a time.
-template <int NC>
+template <int NC, typename Q = float>
 class TileRun {
  public:
   static constexpr int64_t hd = NC * kLanes, kChunks = hd / 32;
 
-  TileRun(const float* q, int64_t qstride, int64_t nq, int64_t first, const uint16_t* kc,
+  TileRun(const Q* q, int64_t qstride, int64_t nq, int64_t first, const uint16_t* kc,
           const uint16_t* vc, const int64_t* table, int64_t kv_head, float scale, const Layout& lay,
           float* scores)
       : q_(q), qstride_(qstride), nq_(nq), first_(first), kc_(kc), vc_(vc), table_(table),
@@ -325,8 +325,8 @@ class TileRun {
     thread_local std::vector<uint16_t> qrows;
     qrows.resize(static_cast<size_t>(groups_ * 16 * hd));
     for (int64_t pair = 0; pair < pairs_; ++pair) {
-      const float* row = q_ + (pair / g_) * qstride_ + (pair % g_) * hd;
-      for (int64_t c = 0; c < NC; ++c) store_bf16(qrows.data() + pair * hd + c * kLanes, loadu(row + c * kLanes));
+      const Q* row = q_ + (pair / g_) * qstride_ + (pair % g_) * hd;
+      for (int64_t c = 0; c < NC; ++c) store_bf16(qrows.data() + pair * hd + c * kLanes, load_row(row + c * kLanes));
     }
     std::memset(qrows.data() + pairs_ * hd, 0, (groups_ * 16 - pairs_) * hd * 2);
     // The second: k^T, for chunk c row i holding dims 32c + 2i and 32c + 2i + 1 of the span's 16
@@ -412,7 +412,7 @@ class TileRun {
 
   // Output columns [16 c0, 16 (c0 + NP)) of every query and head (after weigh, on this thread).
   template <int NP>
-  void values(int64_t c0, const float*, const float* totals, float* out) {
+  void values(int64_t c0, const float*, const float* totals, Q* out) {
     const int64_t tile = wstride_ / 32 * 512;
     thread_local std::vector<uint16_t> vt;
     vt.resize(static_cast<size_t>(NP * tile));
@@ -423,7 +423,7 @@ class TileRun {
   // values' sums over v paired into tiles already (pair_rows, columns [16 c0, 16 (c0 + NP))
   // at vt, `tile` elements apart, covering positions [0, wstride)).
   template <int NP>
-  void values_from(int64_t c0, const uint16_t* vt, int64_t tile, const float* totals, float* out) {
+  void values_from(int64_t c0, const uint16_t* vt, int64_t tile, const float* totals, Q* out) {
     configure();
     const int64_t chunks = wstride_ / 32;
     alignas(64) float sums[16 * 16];
@@ -460,8 +460,8 @@ class TileRun {
           store_sums(k, sums, 64);
           for (int64_t row = 0; row < 16 && t * 16 + row < pairs_; ++row) {
             const int64_t pair = t * 16 + row;
-            storeu(out + (pair / g_) * qstride_ + (pair % g_) * hd + (d0 + k) * kLanes,
-                   mul(load(sums + row * 16), set1(inv[pair])));
+            store_n(out + (pair / g_) * qstride_ + (pair % g_) * hd + (d0 + k) * kLanes, kLanes,
+                    mul(load(sums + row * 16), set1(inv[pair])));
           }
         }
       }
@@ -507,7 +507,7 @@ class TileRun {
     return row_at(cache, p / lay_.block_size, p % lay_.block_size);
   }
 
-  const float* q_;
+  const Q* q_;
   int64_t qstride_, nq_, first_;
   const uint16_t *kc_, *vc_;
   const int64_t* table_;
@@ -582,10 +582,11 @@ AttendFn<T> attend_fn(int64_t head_dim) {
 // q + i * qs and its output at out + i * qs, the chunk's own K/V in the cache already. Work
 // items, one per run of kQueryRun queries and kv head, go over torch's intra-op threads. Where
 // the tiles take the rows, each kv head's v is paired into tiles once for the whole chunk
-// (pair_rows), and every run reads its positions from there.
-template <typename T, int NC>
-void prefill(const float* q, int64_t qs, int64_t n, int64_t start, const T* kc, const T* vc,
-             const int64_t* table, int64_t kv_heads, float scale, const Layout& lay, float* out) {
+// (pair_rows), and every run reads its positions from there; q and out may then be bfloat16
+// (Q = uint16_t: the values a float32 q and out would hold, rounded as torch rounds).
+template <typename T, int NC, typename Q>
+void prefill(const Q* q, int64_t qs, int64_t n, int64_t start, const T* kc, const T* vc,
+             const int64_t* table, int64_t kv_heads, float scale, const Layout& lay, Q* out) {
   constexpr int64_t hd = NC * kLanes;
   const int64_t runs = (n + kQueryRun - 1) / kQueryRun, g = lay.group;
   // Later runs see more positions: runs are dealt from both ends, so that the contiguous
@@ -616,9 +617,9 @@ void prefill(const float* q, int64_t qs, int64_t n, int64_t start, const T* kc, 
                         vt.data() + kh * NC * tile, tile);
         }
       });
-      each_run([&](const float* qr, int64_t nq, int64_t first, int64_t kh, float* scores, float* o) {
+      each_run([&](const Q* qr, int64_t nq, int64_t first, int64_t kh, float* scores, Q* o) {
         float totals[kQueryRun * kMaxGroup];
-        TileRun<NC> run(qr, qs, nq, first, kc, vc, table, kh, scale, lay, scores);
+        TileRun<NC, Q> run(qr, qs, nq, first, kc, vc, table, kh, scale, lay, scores);
         run.score(0, run.longest());
         run.weigh(scores, totals);
         run.template values_from<NC>(0, vt.data() + kh * NC * tile, tile, totals, o);
@@ -627,18 +628,26 @@ void prefill(const float* q, int64_t qs, int64_t n, int64_t start, const T* kc, 
     }
   }
 #endif
-  each_run([&](const float* qr, int64_t nq, int64_t first, int64_t kh, float* scores, float* o) {
-    attend<T, NC>(qr, qs, nq, first, kc, vc, table, kh, scale, lay, scores, o);
-  });
+  if constexpr (std::is_same_v<Q, float>) {
+    each_run([&](const float* qr, int64_t nq, int64_t first, int64_t kh, float* scores, float* o) {
+      attend<T, NC>(qr, qs, nq, first, kc, vc, table, kh, scale, lay, scores, o);
+    });
+  }
 }
 
-template <typename T>
-using PrefillFn = void (*)(const float*, int64_t, int64_t, int64_t, const T*, const T*, const int64_t*,
-                           int64_t, float, const Layout&, float*);
+template <typename T, typename Q>
+using PrefillFn = void (*)(const Q*, int64_t, int64_t, int64_t, const T*, const T*, const int64_t*,
+                           int64_t, float, const Layout&, Q*);
 
-template <typename T>
-PrefillFn<T> prefill_fn(int64_t head_dim) {
-  return by_head_dim(head_dim, [](auto nc) -> PrefillFn<T> { return prefill<T, decltype(nc)::value>; });
+// prefill for this head_dim; for bfloat16 q and out (Q = uint16_t) only where the tiles take
+// the rows, null elsewhere.
+template <typename T, typename Q = float>
+PrefillFn<T, Q> prefill_fn(int64_t head_dim) {
+  return by_head_dim(head_dim, [](auto nc) -> PrefillFn<T, Q> {
+    constexpr int NC = decltype(nc)::value;
+    if constexpr (std::is_same_v<Q, float>) return prefill<T, NC, Q>;
+    return tiles_for<T, NC>() ? prefill<T, NC, Q> : nullptr;
+  });
 }
 
 constexpr int64_t kSplitFrom = 512;  // positions; a shorter item's split costs what it saves
