@@ -47,23 +47,67 @@ struct Layout {
   int64_t block_size, block_stride, pos_stride, head_dim, group;
 };
 
+// The row at `at` of the table's block `block` in `cache`, kv head kv_head's columns (head_dim
+// 16 NC).
+template <int NC, typename T>
+const T* cache_row(const T* cache, const int64_t* table, const Layout& lay, int64_t kv_head,
+                   int64_t block, int64_t at) {
+  return cache + table[block] * lay.block_stride + at * lay.pos_stride + kv_head * NC * kLanes;
+}
+
 // A run of `nq` queries of one sequence on one kv head, with NC = head_dim / 16: query q (rows
 // q * qstride of `q` and `out`, its g heads contiguous) sees positions [0, first + q).
-// `scores` has room for nq * g * round16(first + nq - 1) floats. `attend` below runs its three
-// parts in order; a decode row with few work items to share (`decode`) runs them on several
-// threads, each part's every element computed exactly as here.
-template <typename T, int NC>
-class Run {
+// `scores` has room for nq * g * round16(first + nq - 1) floats. What the two kinds of run
+// below (Run, TileRun) share.
+template <typename T, int NC, typename Q>
+class RunBase {
  public:
   static constexpr int64_t hd = NC * kLanes;
 
-  Run(const float* q, int64_t qstride, int64_t nq, int64_t first, const T* kc, const T* vc,
-      const int64_t* table, int64_t kv_head, float scale, const Layout& lay, float* scores)
+  RunBase(const Q* q, int64_t qstride, int64_t nq, int64_t first, const T* kc, const T* vc,
+          const int64_t* table, int64_t kv_head, float scale, const Layout& lay, float* scores)
       : q_(q), qstride_(qstride), nq_(nq), first_(first), kc_(kc), vc_(vc), table_(table),
         kv_head_(kv_head), scale_(scale), lay_(lay), scores_(scores), g_(lay.group),
         longest_(first + nq - 1), stride_((longest_ + kLanes - 1) / kLanes * kLanes) {}
 
   int64_t longest() const { return longest_; }
+
+ protected:
+  const T* row_at(const T* cache, int64_t block, int64_t at) const {
+    return cache_row<NC>(cache, table_, lay_, kv_head_, block, at);
+  }
+  const T* row_of(const T* cache, int64_t p) const {
+    return row_at(cache, p / lay_.block_size, p % lay_.block_size);
+  }
+
+  const Q* q_;
+  int64_t qstride_, nq_, first_;
+  const T *kc_, *vc_;
+  const int64_t* table_;
+  int64_t kv_head_;
+  float scale_;
+  const Layout& lay_;
+  float* scores_;
+  int64_t g_, longest_, stride_;
+};
+
+// The members a run takes from RunBase (a dependent base: named here once).
+#define SPLITSERVE_RUN_MEMBERS(Base)                                                              \
+  using Base::q_, Base::qstride_, Base::nq_, Base::first_, Base::kc_, Base::vc_, Base::table_,   \
+      Base::kv_head_, Base::scale_, Base::lay_, Base::scores_, Base::g_, Base::longest_,          \
+      Base::stride_, Base::row_at, Base::row_of
+
+// Attention on 16-float vectors. `attend` below runs its three parts in order; a decode row
+// with few work items to share (`decode`) runs them on several threads, each part's every
+// element computed exactly as here.
+template <typename T, int NC>
+class Run : public RunBase<T, NC, float> {
+  using Base = RunBase<T, NC, float>;
+  SPLITSERVE_RUN_MEMBERS(Base);
+
+ public:
+  using Base::Base;
+  using Base::hd;
 
   // The scores of positions [p0, p1): q . k_p for each query that sees p.
   void score(int64_t p0, int64_t p1) {
@@ -176,8 +220,7 @@ class Run {
   // first row and the distance between rows.
   std::pair<const float*, int64_t> widen(const T* cache, int64_t p, int64_t count, float* rows,
                                          int64_t c0 = 0, int64_t nc = NC) const {
-    const T* first = cache + table_[p / lay_.block_size] * lay_.block_stride +
-                     (p % lay_.block_size) * lay_.pos_stride + kv_head_ * hd;
+    const T* first = row_of(cache, p);
     if constexpr (std::is_same_v<T, float>) {
       return {first, lay_.pos_stride};
     } else {
@@ -187,16 +230,6 @@ class Run {
       return {rows, hd};
     }
   }
-
-  const float* q_;
-  int64_t qstride_, nq_, first_;
-  const T *kc_, *vc_;
-  const int64_t* table_;
-  int64_t kv_head_;
-  float scale_;
-  const Layout& lay_;
-  float* scores_;
-  int64_t g_, longest_, stride_;
 };
 
 
@@ -226,13 +259,6 @@ inline void transpose16(const float* const rows[16], int64_t offset, float* out)
     _mm512_storeu_ps(out + 16 * (8 + j), _mm512_shuffle_f32x4(b, d, 0x88));
     _mm512_storeu_ps(out + 16 * (12 + j), _mm512_shuffle_f32x4(b, d, 0xDD));
   }
-}
-
-// The row at `at` of the table's block `block` in `cache`, kv head kv_head's columns.
-template <int NC>
-const uint16_t* cache_row(const uint16_t* cache, const int64_t* table, const Layout& lay,
-                          int64_t kv_head, int64_t block, int64_t at) {
-  return cache + table[block] * lay.block_stride + at * lay.pos_stride + kv_head * NC * kLanes;
 }
 
 // A row's lines (head_dim 16 NC bfloat16), asked for early.
@@ -301,20 +327,19 @@ void pair_rows(const uint16_t* vc, const int64_t* table, int64_t kv_head, const 
 // 16 rows x 64 bytes; columns of the score sums and rows of the weighted sums are the
 // (query, head) pairs, 16 at a time.
 template <int NC, typename Q = float>
-class TileRun {
+class TileRun : public RunBase<uint16_t, NC, Q> {
+  using Base = RunBase<uint16_t, NC, Q>;
+  SPLITSERVE_RUN_MEMBERS(Base);
+
  public:
-  static constexpr int64_t hd = NC * kLanes, kChunks = hd / 32;
+  using Base::hd;
+  static constexpr int64_t kChunks = hd / 32;
 
   TileRun(const Q* q, int64_t qstride, int64_t nq, int64_t first, const uint16_t* kc,
           const uint16_t* vc, const int64_t* table, int64_t kv_head, float scale, const Layout& lay,
           float* scores)
-      : q_(q), qstride_(qstride), nq_(nq), first_(first), kc_(kc), vc_(vc), table_(table),
-        kv_head_(kv_head), scale_(scale), lay_(lay), scores_(scores), g_(lay.group),
-        longest_(first + nq - 1), stride_((longest_ + kLanes - 1) / kLanes * kLanes),
-        pairs_(nq * lay.group), groups_((pairs_ + 15) / 16),
-        wstride_((longest_ + 31) / 32 * 32) {}
-
-  int64_t longest() const { return longest_; }
+      : Base(q, qstride, nq, first, kc, vc, table, kv_head, scale, lay, scores),
+        pairs_(nq * lay.group), groups_((pairs_ + 15) / 16), wstride_((this->longest_ + 31) / 32 * 32) {}
 
   // The scores of positions [p0, p1) (p0 a multiple of 16) for every query, unscaled (weigh
   // scales them).
@@ -500,22 +525,7 @@ class TileRun {
       default: _tile_stored(3, sums, bytes); break;
     }
   }
-  const uint16_t* row_at(const uint16_t* cache, int64_t block, int64_t at) const {
-    return cache_row<NC>(cache, table_, lay_, kv_head_, block, at);
-  }
-  const uint16_t* row_of(const uint16_t* cache, int64_t p) const {
-    return row_at(cache, p / lay_.block_size, p % lay_.block_size);
-  }
-
-  const Q* q_;
-  int64_t qstride_, nq_, first_;
-  const uint16_t *kc_, *vc_;
-  const int64_t* table_;
-  int64_t kv_head_;
-  float scale_;
-  const Layout& lay_;
-  float* scores_;
-  int64_t g_, longest_, stride_, pairs_, groups_, wstride_;
+  int64_t pairs_, groups_, wstride_;
   uint16_t* weights_ = nullptr;
 };
 
