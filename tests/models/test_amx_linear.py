@@ -102,3 +102,16 @@ def test_silu_linear_gives_silu_mul_of_the_product_bit_for_bit(inter, width):
                 assert torch.equal(got, fused_ops.silu_mul(amx_linear.linear(x, tiles))), count
     finally:
         torch.set_num_threads(before)
+
+
+def test_linear_add_gives_the_bits_of_adding_the_product():
+    """``out += x W^T`` in the product's epilogue: the product rounded to bfloat16, then added as
+    torch adds two bfloat16 tensors (the residual add after an MLP), at any row count."""
+    w, _ = weights(576, 1536, seed=5)
+    tiles = amx_linear.pack(w)
+    for count in (1, 16, 33, 70):
+        x, base = rows(count, 1536, seed=count + 60), rows(count, 576, seed=count + 80) * 8
+        expected = base + amx_linear.linear(x, tiles)
+        out = base.clone()
+        assert amx_linear.linear_add_(out, x, tiles) is out
+        assert torch.equal(out, expected), count

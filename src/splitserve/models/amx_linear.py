@@ -53,3 +53,9 @@ def silu_linear(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
     each half a multiple of 16 rows): ``silu_mul`` of ``linear(x, tiles)`` in one product, with
     the same bits."""
     return torch.ops.splitserve.amx_silu_linear(x.contiguous(), tiles)
+
+
+def linear_add_(out: torch.Tensor, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """``out += x @ W^T`` in place for ``tiles = pack(W)`` and ``out`` contiguous bfloat16: the
+    bits of ``out + linear(x, tiles)``, without the product's own tensor."""
+    return torch.ops.splitserve.amx_linear_add_(out, x.contiguous(), tiles)

@@ -257,6 +257,17 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
 
+    def add_forward_(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out += self(x)``, in place (in the down product itself on AMX tiles)."""
+        packed = self.gate_up_proj.packed
+        down = self.down_proj.packed
+        if packed is not None and packed.dim() == 4 and self.intermediate_size % 16 == 0:
+            act = amx_linear.silu_linear(x, packed)
+            if down is not None and down.dim() == 4 and out.is_contiguous():
+                return amx_linear.linear_add_(out, act, down)
+            return out.add_(self.down_proj(act))
+        return out.add_(self(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.gate_up_proj.packed
         if packed is not None and packed.dim() == 4 and self.intermediate_size % 16 == 0:
@@ -284,7 +295,7 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm.add_forward_(
             x, self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         )
-        return x + self.mlp(h)
+        return self.mlp.add_forward_(h, x)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -66,10 +66,17 @@ inline TileConfig config(int rows0, int rows1) {
   return c;
 }
 
-// The float32 sums of one tile (rows x 16, row stride 16) plus bias, rounded into y.
-inline void emit(const float* sums, int rows, const float* bias, uint16_t* y, int64_t ys) {
+// The float32 sums of one tile (rows x 16, row stride 16) plus bias, rounded into y; where
+// `add`, y += them instead, as a bfloat16 add (the rounded sum widened, added, rounded again).
+inline void emit(const float* sums, int rows, const float* bias, uint16_t* y, int64_t ys, bool add_to) {
   const Vec b = bias == nullptr ? zero() : loadu(bias);
-  for (int r = 0; r < rows; ++r) store_bf16(y + r * ys, add(loadu(sums + r * kCols), b));
+  for (int r = 0; r < rows; ++r) {
+    const Vec v = add(loadu(sums + r * kCols), b);
+    if (add_to)
+      store_bf16(y + r * ys, add(load_bf16(y + r * ys), _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16(v), 16))));
+    else
+      store_bf16(y + r * ys, v);
+  }
 }
 
 // silu(gate) * up for rows of a tile's float32 sums (rows x 16, row stride 16) of gate and of
@@ -87,7 +94,7 @@ inline void emit_silu(const float* gate, const float* up, int rows, uint16_t* y,
 // panels' columns, or silu(gate) * up where kSilu.
 template <int W, bool kSilu = false>
 void block(const uint16_t* x, int64_t K, int rows0, int rows1, const uint16_t* tiles,
-           int64_t second, const float* bias, uint16_t* y, int64_t N) {
+           int64_t second, const float* bias, uint16_t* y, int64_t N, bool add_to) {
   static_assert(!kSilu || W == 2);
   const int64_t chunks = K / kDepth, xs = K * 2;
   const uint16_t* x1 = x + kTileRows * K;
@@ -125,31 +132,31 @@ void block(const uint16_t* x, int64_t K, int rows0, int rows1, const uint16_t* t
     return;
   }
   _tile_stored(0, sums, step);
-  emit(sums, rows0, bias, y, N);
+  emit(sums, rows0, bias, y, N, add_to);
   if (W == 2) {
     _tile_stored(1, sums, step);
-    emit(sums, rows0, bias == nullptr ? nullptr : bias + kCols, y + kCols, N);
+    emit(sums, rows0, bias == nullptr ? nullptr : bias + kCols, y + kCols, N, add_to);
   }
   if (rows1 > 0) {
     uint16_t* y1 = y + kTileRows * N;
     _tile_stored(2, sums, step);
-    emit(sums, rows1, bias, y1, N);
+    emit(sums, rows1, bias, y1, N, add_to);
     if (W == 2) {
       _tile_stored(3, sums, step);
-      emit(sums, rows1, bias == nullptr ? nullptr : bias + kCols, y1 + kCols, N);
+      emit(sums, rows1, bias == nullptr ? nullptr : bias + kCols, y1 + kCols, N, add_to);
     }
   }
 }
 
 // y [M, N] = x [M, K] times tiles [N / 16, K / 32, 16, 32] (+ bias [N] float32 unless null);
 // where kSilu, the tiles are gate's panels then up's (N = 2 I, no bias) and y [M, I] =
-// silu(x gate^T) * (x up^T). A thread takes its panel pairs (gate's and up's of the same
+// silu(x gate^T) * (x up^T); where add_to, y += the product (a bfloat16 add). A thread takes its panel pairs (gate's and up's of the same
 // columns where kSilu) in groups of about kGroupBytes of weight, and runs every row block over
 // a group before the next: the weight then comes from memory once, and from the cache for
 // the other row blocks.
 template <bool kSilu = false>
 void product(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, int64_t N,
-             const float* bias, uint16_t* y) {
+             const float* bias, uint16_t* y, bool add_to = false) {
   const int64_t P = N / kCols, pairs = (P + 1) / 2, panel = K / kDepth * kTileRows * kDepth;
   const int64_t group = std::max<int64_t>(1, kGroupBytes / (4 * panel));
   const int64_t ys = kSilu ? N / 2 : N;
@@ -168,15 +175,17 @@ void product(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, int
         for (int64_t q = g0; q < g1; ++q) {
           if constexpr (kSilu) {
             block<2, true>(x + m0 * K, K, rows0, rows1, tiles + q * panel, pairs * panel, nullptr,
-                           y + m0 * ys + q * kCols, ys);
+                           y + m0 * ys + q * kCols, ys, false);
             continue;
           }
           const int64_t p = 2 * q, col = p * kCols;
           const float* b = bias == nullptr ? nullptr : bias + col;
           if (p + 1 < P)
-            block<2>(x + m0 * K, K, rows0, rows1, tiles + p * panel, panel, b, y + m0 * N + col, N);
+            block<2>(x + m0 * K, K, rows0, rows1, tiles + p * panel, panel, b, y + m0 * N + col, N,
+                     add_to);
           else
-            block<1>(x + m0 * K, K, rows0, rows1, tiles + p * panel, panel, b, y + m0 * N + col, N);
+            block<1>(x + m0 * K, K, rows0, rows1, tiles + p * panel, panel, b, y + m0 * N + col, N,
+                     add_to);
         }
       }
     }

@@ -1,5 +1,5 @@
-// The torch ops over amx.h's product: splitserve::amx_linear and splitserve::amx_silu_linear
-// (models/amx_linear.py), and splitserve::amx_ready, whether the OS gave this process the AMX
+// The torch ops over amx.h's product: splitserve::amx_linear, amx_silu_linear and
+// amx_linear_add_ (models/amx_linear.py), and splitserve::amx_ready, whether the OS gave this process the AMX
 // tile state.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -60,17 +60,34 @@ at::Tensor amx_silu_linear(const at::Tensor& x, const at::Tensor& tiles) {
   return y;
 }
 
+// out [rows, out] += x W^T for tiles = pack(W): each product element rounded to bfloat16, then
+// added as torch adds two bfloat16 tensors.
+at::Tensor& amx_linear_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& tiles) {
+  check(x, tiles);
+  const int64_t M = x.size(0), K = x.size(1), N = tiles.size(0) * kCols;
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == M && out.size(1) == N,
+              "out: contiguous bfloat16 [rows, out]");
+  if (M > 0)
+    amx::product(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
+                 reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>()), N, nullptr,
+                 reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), true);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitserve, m) {
   m.def("amx_ready() -> bool");
   m.def("amx_linear(Tensor x, Tensor tiles, Tensor? bias) -> Tensor");
   m.def("amx_silu_linear(Tensor x, Tensor tiles) -> Tensor");
+  m.def("amx_linear_add_(Tensor(a!) out, Tensor x, Tensor tiles) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(splitserve, CPU, m) {
   m.impl("amx_linear", &amx_linear);
   m.impl("amx_silu_linear", &amx_silu_linear);
+  m.impl("amx_linear_add_", &amx_linear_add_);
 }
 
 TORCH_LIBRARY_IMPL(splitserve, CatchAll, m) { m.impl("amx_ready", &ready); }
