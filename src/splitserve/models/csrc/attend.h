@@ -268,22 +268,6 @@ void prefetch_row(const uint16_t* row) {
   for (int64_t line = 0; line < NC * kLanes * 2; line += 64) _mm_prefetch(bytes + line, _MM_HINT_T1);
 }
 
-// k^T of the `n` (<= 16) positions from p of a sequence (table: its blocks), kv head kv_head,
-// as the score tiles' second operand: for chunk c (32 dims) at kt + 512 c, row i holds dims
-// 32c + 2i and 32c + 2i + 1 of the 16 positions (zero past the n-th): 16 x 16 transposes of the
-// rows' 32-bit words.
-template <int NC>
-void transpose_k(const uint16_t* kc, const int64_t* table, int64_t kv_head, const Layout& lay,
-                 int64_t p, int64_t n, uint16_t* kt) {
-  const float* rows[16];
-  int64_t block = p / lay.block_size, at = p % lay.block_size;
-  for (int64_t i = 0; i < 16; ++i) {
-    rows[i] = i < n ? reinterpret_cast<const float*>(cache_row<NC>(kc, table, lay, kv_head, block, at)) : nullptr;
-    if (++at == lay.block_size) at = 0, ++block;
-  }
-  for (int64_t c = 0; c < NC / 2; ++c) transpose16(rows, c * 16, reinterpret_cast<float*>(kt + c * 512));
-}
-
 // Columns [16 c0, 16 (c0 + nd)) of kv head `kv_head`'s v rows at positions [p0, end) of a
 // sequence (table: its blocks), paired into the tiles the weighted sums read: dims
 // [16d, 16d + 16) at dst + (d - c0) * tile, chunk c (32 positions) at + 512 c, its row i holding
@@ -360,19 +344,66 @@ class TileRun : public RunBase<uint16_t, NC, Q> {
   // The scores of positions [p0, p1) (p0 a multiple of 16) for every query, unscaled (weigh
   // scales them).
   void score(int64_t p0, int64_t p1) {
-    const uint16_t* a = prepare_q();
-    alignas(64) uint16_t kt[kChunks * 512];
-    for (int64_t p = p0; p < p1; p += 16) {
-      for (int64_t i = p + 16; i < std::min(p + 32, p1); ++i) prefetch_row<NC>(row_of(kc_, i));
-      transpose_k<NC>(kc_, table_, kv_head_, lay_, p, std::min<int64_t>(16, p1 - p), kt);
-      score_span(a, kt, p);
+    configure();
+    // The tiles' first operand: the (query, head) pairs' q rows in bfloat16, 16 pairs a group
+    // (zero past the last pair).
+    thread_local std::vector<uint16_t> qrows;
+    qrows.resize(static_cast<size_t>(groups_ * 16 * hd));
+    for (int64_t pair = 0; pair < pairs_; ++pair) {
+      const Q* row = q_ + (pair / g_) * qstride_ + (pair % g_) * hd;
+      for (int64_t c = 0; c < NC; ++c) store_bf16(qrows.data() + pair * hd + c * kLanes, load_row(row + c * kLanes));
     }
-  }
-
-  // score(0, longest()) over k^T built already (transpose_k, span s at kt + s * kChunks * 512).
-  void score_from(const uint16_t* kt) {
-    const uint16_t* a = prepare_q();
-    for (int64_t p = 0; p < longest_; p += 16) score_span(a, kt + p / 16 * kChunks * 512, p);
+    std::memset(qrows.data() + pairs_ * hd, 0, (groups_ * 16 - pairs_) * hd * 2);
+    // The second: k^T, for chunk c row i holding dims 32c + 2i and 32c + 2i + 1 of the span's 16
+    // positions (zero past its last).
+    alignas(64) uint16_t kt[kChunks * 512];
+    alignas(64) float sums[16 * 16];
+    const float* rows[16];
+    int64_t block = p0 / lay_.block_size, at = p0 % lay_.block_size;  // position p's place
+    for (int64_t p = p0; p < p1; p += 16) {
+      const int64_t n = std::min<int64_t>(16, p1 - p);
+      for (int64_t i = 0; i < 16; ++i) {
+        rows[i] = i < n ? reinterpret_cast<const float*>(row_at(kc_, block, at)) : nullptr;
+        if (i < n && ++at == lay_.block_size) at = 0, ++block;
+      }
+      for (int64_t i = p + 16; i < std::min(p + 32, p1); ++i) prefetch_row<NC>(row_of(kc_, i));
+      for (int64_t c = 0; c < kChunks; ++c) transpose16(rows, c * 16, reinterpret_cast<float*>(kt + c * 512));
+      for (int64_t t0 = 0; t0 < groups_; t0 += 4) {
+        const int64_t nt = std::min<int64_t>(4, groups_ - t0);
+        const uint16_t* a = qrows.data() + t0 * 16 * hd;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < kChunks; ++c) {
+          _tile_loadd(6, kt + c * 512, 64);
+          _tile_loadd(4, a + c * 32, hd * 2);
+          _tile_dpbf16ps(0, 4, 6);
+          if (nt > 1) {
+            _tile_loadd(5, a + 16 * hd + c * 32, hd * 2);
+            _tile_dpbf16ps(1, 5, 6);
+          }
+          if (nt > 2) {
+            _tile_loadd(4, a + 32 * hd + c * 32, hd * 2);
+            _tile_dpbf16ps(2, 4, 6);
+          }
+          if (nt > 3) {
+            _tile_loadd(5, a + 48 * hd + c * 32, hd * 2);
+            _tile_dpbf16ps(3, 5, 6);
+          }
+        }
+        for (int64_t k = 0; k < nt; ++k) {
+          const int64_t t = t0 + k, last = std::min<int64_t>(16, pairs_ - t * 16);
+          float* dst = scores_ + t * 16 * stride_ + p;
+          if (last == 16) {
+            store_sums(k, dst, stride_ * 4);
+          } else {
+            store_sums(k, sums, 64);
+            for (int64_t row = 0; row < last; ++row) storeu(dst + row * stride_, load(sums + row * 16));
+          }
+        }
+      }
+    }
   }
 
   // The weights, rounded to bfloat16, into the run's own buffer (w is not used), and each
@@ -478,61 +509,6 @@ class TileRun : public RunBase<uint16_t, NC, Q> {
     e = fmadd(e, f, set1(9.999991655349731e-1f));
     return reinterpret_cast<__m256i>(_mm512_maskz_cvtneps_pbh(m, scale_by_pow2(e, n)));
   }
-  // The tiles' first operand for the scores: the (query, head) pairs' q rows in bfloat16, 16
-  // pairs a group (zero past the last pair). Loads the tile configuration.
-  const uint16_t* prepare_q() {
-    configure();
-    thread_local std::vector<uint16_t> qrows;
-    qrows.resize(static_cast<size_t>(groups_ * 16 * hd));
-    for (int64_t pair = 0; pair < pairs_; ++pair) {
-      const Q* row = q_ + (pair / g_) * qstride_ + (pair % g_) * hd;
-      for (int64_t c = 0; c < NC; ++c) store_bf16(qrows.data() + pair * hd + c * kLanes, load_row(row + c * kLanes));
-    }
-    std::memset(qrows.data() + pairs_ * hd, 0, (groups_ * 16 - pairs_) * hd * 2);
-    return qrows.data();
-  }
-
-  // The scores of the 16 positions from p (a multiple of 16) for every pair: q rows `a`
-  // (prepare_q) times the span's k^T, up to four tiles of pairs at a time.
-  void score_span(const uint16_t* a0, const uint16_t* kt, int64_t p) {
-    alignas(64) float sums[16 * 16];
-    for (int64_t t0 = 0; t0 < groups_; t0 += 4) {
-      const int64_t nt = std::min<int64_t>(4, groups_ - t0);
-      const uint16_t* a = a0 + t0 * 16 * hd;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t c = 0; c < kChunks; ++c) {
-        _tile_loadd(6, kt + c * 512, 64);
-        _tile_loadd(4, a + c * 32, hd * 2);
-        _tile_dpbf16ps(0, 4, 6);
-        if (nt > 1) {
-          _tile_loadd(5, a + 16 * hd + c * 32, hd * 2);
-          _tile_dpbf16ps(1, 5, 6);
-        }
-        if (nt > 2) {
-          _tile_loadd(4, a + 32 * hd + c * 32, hd * 2);
-          _tile_dpbf16ps(2, 4, 6);
-        }
-        if (nt > 3) {
-          _tile_loadd(5, a + 48 * hd + c * 32, hd * 2);
-          _tile_dpbf16ps(3, 5, 6);
-        }
-      }
-      for (int64_t k = 0; k < nt; ++k) {
-        const int64_t t = t0 + k, last = std::min<int64_t>(16, pairs_ - t * 16);
-        float* dst = scores_ + t * 16 * stride_ + p;
-        if (last == 16) {
-          store_sums(k, dst, stride_ * 4);
-        } else {
-          store_sums(k, sums, 64);
-          for (int64_t row = 0; row < last; ++row) storeu(dst + row * stride_, load(sums + row * 16));
-        }
-      }
-    }
-  }
-
   // Every tile 16 rows x 64 bytes: 0 score sums, 1 k rows, 2 q^T; 0-3 weighted sums, 4
   // weights, 5-6 v rows (paired). Loaded on every call: amx.h's products release the tiles.
   static void configure() {
@@ -615,8 +591,8 @@ AttendFn<T> attend_fn(int64_t head_dim) {
 // A prefill chunk: n queries of one sequence at positions [start, start + n), query i's heads at
 // q + i * qs and its output at out + i * qs, the chunk's own K/V in the cache already. Work
 // items, one per run of kQueryRun queries and kv head, go over torch's intra-op threads. Where
-// the tiles take the rows, each kv head's k is transposed (transpose_k) and its v paired into
-// tiles (pair_rows) once for the whole chunk, and every run reads its positions from there; q and out may then be bfloat16
+// the tiles take the rows, each kv head's v is paired into tiles once for the whole chunk
+// (pair_rows), and every run reads its positions from there; q and out may then be bfloat16
 // (Q = uint16_t: the values a float32 q and out would hold, rounded as torch rounds).
 template <typename T, int NC, typename Q>
 void prefill(const Q* q, int64_t qs, int64_t n, int64_t start, const T* kc, const T* vc,
@@ -642,24 +618,19 @@ void prefill(const Q* q, int64_t qs, int64_t n, int64_t start, const T* kc, cons
 #if defined(SPLITSERVE_AMX)
   if constexpr (std::is_same_v<T, uint16_t> && NC % 2 == 0) {
     if (tiles_for<T, NC>()) {
-      // Every kv head's k^T (16 positions a span) and v paired into tiles (32 a chunk), once.
-      const int64_t length = start + n, chunks = (length + 31) / 32, tile = chunks * 512;
-      const int64_t span = NC / 2 * 512, head = 2 * chunks * span;  // a span's k^T, a head's
-      std::vector<uint16_t> vt(static_cast<size_t>(kv_heads * NC * tile)), kt(kv_heads * head);
+      const int64_t chunks = (start + n + 31) / 32, tile = chunks * 512;
+      std::vector<uint16_t> vt(static_cast<size_t>(kv_heads * NC * tile));
       at::parallel_for(0, kv_heads * chunks, 8, [&](int64_t begin, int64_t end) {
         for (int64_t item = begin; item < end; ++item) {
           const int64_t kh = item / chunks, p0 = item % chunks * 32;
-          pair_rows<NC>(vc, table, kh, lay, p0, std::min(length, p0 + 32), p0 + 32, 0, NC,
+          pair_rows<NC>(vc, table, kh, lay, p0, std::min(start + n, p0 + 32), p0 + 32, 0, NC,
                         vt.data() + kh * NC * tile, tile);
-          for (int64_t p = p0; p < std::min(length, p0 + 32); p += 16)
-            transpose_k<NC>(kc, table, kh, lay, p, std::min<int64_t>(16, length - p),
-                            kt.data() + kh * head + p / 16 * span);
         }
       });
       each_run([&](const Q* qr, int64_t nq, int64_t first, int64_t kh, float* scores, Q* o) {
         float totals[kQueryRun * kMaxGroup];
         TileRun<NC, Q> run(qr, qs, nq, first, kc, vc, table, kh, scale, lay, scores);
-        run.score_from(kt.data() + kh * head);
+        run.score(0, run.longest());
         run.weigh(scores, totals);
         run.template values_from<NC>(0, vt.data() + kh * NC * tile, tile, totals, o);
       });
