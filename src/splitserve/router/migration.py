@@ -267,15 +267,15 @@ class StreamRelay(EventRelay):
             c.chars += replay.text_chars(choice)
         delta = choice.get("delta") or {}
         text = delta.get("content") if log.chat else choice.get("text")
-        self._record(c, text or "", choice)
+        c.record(text or "", choice)
         if self.mode is ResumeMode.CONTINUE:  # (vLLM streams calls piece by piece)
             c.calls_sent = c.calls_sent or "tool_calls" in delta
         if choice.get("logprobs") is not None:
             if not log.chat and self.mode is ResumeMode.EXTEND:
-                self._note_offsets(c, choice["logprobs"])
-            self._unsent_logprobs(c, choice)
+                c.note_offsets(choice["logprobs"])
+            c.drop_sent_logprobs(choice)
         if log.client_wants_ids:
-            self._unsent_ids(c, choice)
+            c.unsent_ids(choice)
         else:
             chunk.pop("prompt_token_ids", None)
             choice.pop("prompt_token_ids", None)
@@ -321,9 +321,9 @@ class StreamRelay(EventRelay):
         choice = chunk["choices"][0]
         text = choice.get("text") or ""
         c = log.choices[0]
-        self._record(c, text, choice)
+        c.record(text, choice)
         reason = choice.get("finish_reason")
-        ids = self._unsent_ids(c, choice) if log.client_wants_ids else None
+        ids = c.unsent_ids(choice) if log.client_wants_ids else None
         logprobs = self._resumed_logprobs(c, choice) if not log.chat else None
         if not text and reason is None and not ids and logprobs is None:
             return b""
@@ -338,62 +338,9 @@ class StreamRelay(EventRelay):
         if lp is None:
             return None
         lp["text_offset"] = [c.offset_base + o for o in lp.get("text_offset") or ()]
-        self._note_offsets(c, lp)
-        self._unsent_logprobs(c, choice)
+        c.note_offsets(lp)
+        c.drop_sent_logprobs(choice)
         return choice["logprobs"]
-
-    @staticmethod
-    def _note_offsets(c: ChoiceLog, lp: dict[str, Any]) -> None:
-        """Record where the text of each token of a text completion's chunk ends, once
-        ``_record`` has counted its ids (one log-probability entry per id)."""
-        ends = [o + len(t) for o, t in zip(lp["text_offset"], lp["tokens"], strict=True)]
-        start = c.length - len(ends)
-        c.offset_ends[start:] = ends
-
-    @staticmethod
-    def _record(c: ChoiceLog, text: str, choice: dict[str, Any]) -> None:
-        c.pending += choice.get("token_ids") or []
-        if text:
-            c.settled += c.pending
-            c.pending = []
-        if choice.get("finish_reason") is not None:
-            c.finish_reason = choice["finish_reason"]
-            c.settled += c.pending  # the worker flushed all text with its last token
-            c.pending = []
-
-    @staticmethod
-    def _unsent_logprobs(c: ChoiceLog, choice: dict[str, Any]) -> None:
-        """Drop from ``choice`` the log-probabilities of tokens the client has had (tokens
-        regenerated after a resume), once ``_record`` has counted its ids."""
-        start = c.length - len(choice.get("token_ids") or [])  # the chunk's first token
-        have = c.logprobs_sent - start
-        c.logprobs_sent = max(c.logprobs_sent, c.length)
-        if have <= 0:
-            return
-        lp = choice["logprobs"]
-        if "content" in lp:  # chat
-            lp["content"] = lp["content"][have:]
-            fresh = bool(lp["content"])
-        else:  # text completion: parallel lists, one entry per token
-            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                lp[key] = lp[key][have:]
-            fresh = bool(lp["tokens"])
-        if not fresh:
-            choice["logprobs"] = None
-
-    def _unsent_ids(self, c: ChoiceLog, choice: dict[str, Any]) -> list[int] | None:
-        """The chunk's ids the client has not had (regenerated ones it got before a failure
-        are dropped from ``choice``), once ``_record`` has counted them; None if none."""
-        ids = choice.get("token_ids") or []
-        end = c.length  # the output's length after these ids
-        fresh = ids[max(0, c.ids_sent - (end - len(ids))) :]
-        c.ids_sent = max(c.ids_sent, end)
-        if len(fresh) < len(ids):
-            if fresh:
-                choice["token_ids"] = fresh
-            else:
-                choice.pop("token_ids", None)
-        return fresh or None
 
     def _chunk(
         self, text: str, reason: str | None, ids: list[int] | None, index: int = 0

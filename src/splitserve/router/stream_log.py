@@ -40,6 +40,56 @@ class ChoiceLog:
     def length(self) -> int:
         return len(self.settled) + len(self.pending)
 
+    def record(self, text: str, choice: dict[str, Any]) -> None:
+        """Count a chunk's ids: pending until a chunk with text (or the last) settles them."""
+        self.pending += choice.get("token_ids") or []
+        if text:
+            self.settled += self.pending
+            self.pending = []
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+            self.settled += self.pending  # the worker flushed all text with its last token
+            self.pending = []
+
+    def note_offsets(self, lp: dict[str, Any]) -> None:
+        """Record where the text of each token of a text completion's chunk ends, once
+        ``record`` has counted its ids (one log-probability entry per id)."""
+        ends = [o + len(t) for o, t in zip(lp["text_offset"], lp["tokens"], strict=True)]
+        self.offset_ends[self.length - len(ends) :] = ends
+
+    def drop_sent_logprobs(self, choice: dict[str, Any]) -> None:
+        """Drop from ``choice`` the log-probabilities of tokens the client has had (tokens
+        regenerated after a resume), once ``record`` has counted its ids."""
+        start = self.length - len(choice.get("token_ids") or [])  # the chunk's first token
+        have = self.logprobs_sent - start
+        self.logprobs_sent = max(self.logprobs_sent, self.length)
+        if have <= 0:
+            return
+        lp = choice["logprobs"]
+        if "content" in lp:  # chat
+            lp["content"] = lp["content"][have:]
+            fresh = bool(lp["content"])
+        else:  # text completion: parallel lists, one entry per token
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                lp[key] = lp[key][have:]
+            fresh = bool(lp["tokens"])
+        if not fresh:
+            choice["logprobs"] = None
+
+    def unsent_ids(self, choice: dict[str, Any]) -> list[int] | None:
+        """The chunk's ids the client has not had (regenerated ones it got before a failure
+        are dropped from ``choice``), once ``record`` has counted them; None if none."""
+        ids = choice.get("token_ids") or []
+        end = self.length  # the output's length after these ids
+        fresh = ids[max(0, self.ids_sent - (end - len(ids))) :]
+        self.ids_sent = max(self.ids_sent, end)
+        if len(fresh) < len(ids):
+            if fresh:
+                choice["token_ids"] = fresh
+            else:
+                choice.pop("token_ids", None)
+        return fresh or None
+
 
 @dataclass(slots=True)
 class StreamLog:
