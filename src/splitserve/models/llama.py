@@ -257,21 +257,26 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
 
+    def _silu_tiles(self) -> torch.Tensor | None:
+        """gate_up's AMX tiles where one product can also apply silu(gate) * up, else None."""
+        packed = self.gate_up_proj.packed
+        fits = packed is not None and packed.dim() == 4 and self.intermediate_size % 16 == 0
+        return packed if fits else None
+
     def add_forward_(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out += self(x)``, in place (in the down product itself on AMX tiles)."""
-        packed = self.gate_up_proj.packed
-        down = self.down_proj.packed
-        if packed is not None and packed.dim() == 4 and self.intermediate_size % 16 == 0:
-            act = amx_linear.silu_linear(x, packed)
-            if down is not None and down.dim() == 4 and out.is_contiguous():
-                return amx_linear.linear_add_(out, act, down)
-            return out.add_(self.down_proj(act))
-        return out.add_(self(x))
+        tiles, down = self._silu_tiles(), self.down_proj.packed
+        if tiles is None:
+            return out.add_(self(x))
+        act = amx_linear.silu_linear(x, tiles)
+        if down is not None and down.dim() == 4 and out.is_contiguous():
+            return amx_linear.linear_add_(out, act, down)
+        return out.add_(self.down_proj(act))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.gate_up_proj.packed
-        if packed is not None and packed.dim() == 4 and self.intermediate_size % 16 == 0:
-            return self.down_proj(amx_linear.silu_linear(x, packed))
+        tiles = self._silu_tiles()
+        if tiles is not None:
+            return self.down_proj(amx_linear.silu_linear(x, tiles))
         gate_up = self.gate_up_proj(x)
         if fused_ops.fits(gate_up):
             return self.down_proj(fused_ops.silu_mul(gate_up))

@@ -67,15 +67,13 @@ inline TileConfig config(int rows0, int rows1) {
 }
 
 // The float32 sums of one tile (rows x 16, row stride 16) plus bias, rounded into y; where
-// `add`, y += them instead, as a bfloat16 add (the rounded sum widened, added, rounded again).
-inline void emit(const float* sums, int rows, const float* bias, uint16_t* y, int64_t ys, bool add_to) {
+// add_to, y += them instead, as a bfloat16 add (the rounded sum widened, added, rounded again).
+inline void emit(const float* sums, int rows, const float* bias, uint16_t* y, int64_t ys,
+                 bool add_to) {
   const Vec b = bias == nullptr ? zero() : loadu(bias);
   for (int r = 0; r < rows; ++r) {
     const Vec v = add(loadu(sums + r * kCols), b);
-    if (add_to)
-      store_bf16(y + r * ys, add(load_bf16(y + r * ys), _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16(v), 16))));
-    else
-      store_bf16(y + r * ys, v);
+    store_bf16(y + r * ys, add_to ? add(load_bf16(y + r * ys), round_to_bf16(v)) : v);
   }
 }
 
@@ -83,9 +81,8 @@ inline void emit(const float* sums, int rows, const float* bias, uint16_t* y, in
 // up, each rounded to bfloat16 first (the bits silu_mul gets from the two products), into y.
 inline void emit_silu(const float* gate, const float* up, int rows, uint16_t* y, int64_t ys) {
   for (int r = 0; r < rows; ++r) {
-    const Vec g = _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16(loadu(gate + r * kCols)), 16));
-    const Vec u = _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16(loadu(up + r * kCols)), 16));
-    store_bf16(y + r * ys, rows::silu_times(g, u));
+    store_bf16(y + r * ys, rows::silu_times(round_to_bf16(loadu(gate + r * kCols)),
+                                            round_to_bf16(loadu(up + r * kCols))));
   }
 }
 
@@ -150,10 +147,10 @@ void block(const uint16_t* x, int64_t K, int rows0, int rows1, const uint16_t* t
 
 // y [M, N] = x [M, K] times tiles [N / 16, K / 32, 16, 32] (+ bias [N] float32 unless null);
 // where kSilu, the tiles are gate's panels then up's (N = 2 I, no bias) and y [M, I] =
-// silu(x gate^T) * (x up^T); where add_to, y += the product (a bfloat16 add). A thread takes its panel pairs (gate's and up's of the same
-// columns where kSilu) in groups of about kGroupBytes of weight, and runs every row block over
-// a group before the next: the weight then comes from memory once, and from the cache for
-// the other row blocks.
+// silu(x gate^T) * (x up^T); where add_to, y += the product (a bfloat16 add). A thread takes
+// its panel pairs (gate's and up's of the same columns where kSilu) in groups of about
+// kGroupBytes of weight, and runs every row block over a group before the next: the weight
+// then comes from memory once, and from the cache for the other row blocks.
 template <bool kSilu = false>
 void product(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, int64_t N,
              const float* bias, uint16_t* y, bool add_to = false) {

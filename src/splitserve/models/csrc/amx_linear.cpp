@@ -1,6 +1,6 @@
 // The torch ops over amx.h's product: splitserve::amx_linear, amx_silu_linear and
-// amx_linear_add_ (models/amx_linear.py), and splitserve::amx_ready, whether the OS gave this process the AMX
-// tile state.
+// amx_linear_add_ (models/amx_linear.py), and splitserve::amx_ready, whether the OS gave this
+// process the AMX tile state.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>

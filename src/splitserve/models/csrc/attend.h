@@ -314,18 +314,19 @@ void pair_rows(const uint16_t* vc, const int64_t* table, int64_t kv_head, const 
 
 // Run's three parts for a bfloat16 cache on AMX tiles, where head_dim is a multiple of 32:
 //
-//   scores[j, p] = (q[j] . k_p) * scale   one tile sum per 32 dims, in order (k rows read in
-//                                         place: the tile's rows are 16 positions)
-//   w[j, p]      = exp(scores[j, p] - max_j), rounded to bfloat16, summed in float32
+//   scores[j, p] = q[j] . k_p            one tile sum per 32 dims, in order (q rows times k^T,
+//                                        16 positions a tile), stored unscaled
+//   w[j, p]      = exp(scores[j, p] * scale - max_j), rounded to bfloat16 (weight_bits),
+//                  summed in float32
 //   out[j]       = (sum_p w[j, p] v_p) / sum_p w[j, p]   one tile sum per 32 positions, in
 //                                                         order from position 0
 //
 // A position's score depends on its own q and k only, and a weighted sum on the positions
 // [32c, 32c + 32) in order, the positions past the query's length weighing zero: so, as in
 // Run, a query gets the same bits alone, in a prefill chunk, batched, or split over threads.
-// The queries must be bfloat16 values (they are, widened, in a bfloat16 model). Every tile is
-// 16 rows x 64 bytes; columns of the score sums and rows of the weighted sums are the
-// (query, head) pairs, 16 at a time.
+// The queries must be bfloat16 values (they are, widened, in a bfloat16 model; Q = uint16_t
+// reads and writes them as bfloat16). Every tile is 16 rows x 64 bytes; rows of the score sums
+// and of the weighted sums are the (query, head) pairs, 16 at a time.
 template <int NC, typename Q = float>
 class TileRun : public RunBase<uint16_t, NC, Q> {
   using Base = RunBase<uint16_t, NC, Q>;
@@ -428,7 +429,7 @@ class TileRun : public RunBase<uint16_t, NC, Q> {
         const Mask m = first_lanes(len - p);
         const __m256i bits = weight_bits(m, sub(mul(load_first(m, s + p), scale), top));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + p), bits);
-        total = add(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+        total = add(total, widen_bf16(bits));
       }
       std::memset(out + p, 0, (wstride_ - p) * 2);
       totals[pair] = reduce_add(total);

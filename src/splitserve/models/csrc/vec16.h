@@ -66,10 +66,11 @@ inline Vec round_nearest(Vec x) {
 }
 
 // Sixteen bfloat16 values widened to float32: their bits in the upper half of a word (exact).
+inline Vec widen_bf16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
 inline Vec load_bf16(const uint16_t* src) {
-  const __m512i wide =
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
 }
 
 // Sixteen float32 rounded to bfloat16 bits (to nearest, ties to even; a NaN to 0x7FC0), as
@@ -84,6 +85,8 @@ inline __m512i round_bf16(Vec v) {
 inline void store_bf16(uint16_t* dst, Vec v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(round_bf16(v)));
 }
+// v rounded to bfloat16 as round_bf16 rounds, as float32: what store_bf16 then load_bf16 give.
+inline Vec round_to_bf16(Vec v) { return _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16(v), 16)); }
 
 // Sixteen vectors in, one out: lane i holds the sum of v[i]'s lanes. Halves, then quarters,
 // then pairs, then single lanes of two sources are added at each level; a fixed tree.
