@@ -77,24 +77,41 @@ inline void emit(const float* sums, int rows, const float* bias, uint16_t* y, in
   }
 }
 
-// silu(gate) * up for rows of a tile's float32 sums (rows x 16, row stride 16) of gate and of
-// up, each rounded to bfloat16 first (the bits silu_mul gets from the two products), into y.
-inline void emit_silu(const float* gate, const float* up, int rows, uint16_t* y, int64_t ys) {
-  for (int r = 0; r < rows; ++r) {
-    store_bf16(y + r * ys, rows::silu_times(round_to_bf16(loadu(gate + r * kCols)),
-                                            round_to_bf16(loadu(up + r * kCols))));
+// A gate/up block's float32 sums, stored from its accumulator tiles, waiting to be turned into
+// silu(gate) * up rows of y (each sum rounded to bfloat16 first: the bits silu_mul gets from
+// the two products). The next block's products run on the tiles meanwhile, and between its
+// feature chunks `drain` computes a few of these rows, so that the vector units work while the
+// tile unit does: the exp and the division of a row cost about what its products do.
+struct SiluRows {
+  alignas(64) float gate[2][kTileRows * kCols], up[2][kTileRows * kCols];  // per rows block
+  uint16_t* y[2];
+  int rows[2] = {0, 0};
+  int64_t ys = 0;
+  int left = 0, block = 0, row = 0;  // rows still to compute; the next one
+
+  // Computes up to n more rows.
+  void drain(int n) {
+    for (n = std::min(n, left), left -= n; n > 0; --n) {
+      store_bf16(y[block] + row * ys,
+                 rows::silu_times(round_to_bf16(loadu(gate[block] + row * kCols)),
+                                  round_to_bf16(loadu(up[block] + row * kCols))));
+      if (++row == rows[block]) ++block, row = 0;
+    }
   }
-}
+};
 
 // Rows [0, rows0 + rows1) of x (rows1 may be 0) times panel p and, where W = 2, the panel
 // `second` elements on (the next one, or up's beside gate's where kSilu), into y: both
-// panels' columns, or silu(gate) * up where kSilu.
+// panels' columns, or silu(gate) * up where kSilu. Where kSilu, the rows go through `pending`,
+// and the previous block's are computed meanwhile.
 template <int W, bool kSilu = false>
 void block(const uint16_t* x, int64_t K, int rows0, int rows1, const uint16_t* tiles,
-           int64_t second, const float* bias, uint16_t* y, int64_t N, bool add_to) {
+           int64_t second, const float* bias, uint16_t* y, int64_t N, bool add_to,
+           SiluRows* pending = nullptr) {
   static_assert(!kSilu || W == 2);
   const int64_t chunks = K / kDepth, xs = K * 2;
   const uint16_t* x1 = x + kTileRows * K;
+  const int per_chunk = kSilu ? static_cast<int>((pending->left + chunks - 1) / chunks) : 0;
   _tile_zero(0);
   if (W == 2) _tile_zero(1);
   if (rows1 > 0) {
@@ -113,21 +130,23 @@ void block(const uint16_t* x, int64_t K, int rows0, int rows1, const uint16_t* t
       _tile_dpbf16ps(2, 5, 6);
       if (W == 2) _tile_dpbf16ps(3, 5, 7);
     }
+    if constexpr (kSilu) pending->drain(per_chunk);
   }
-  alignas(64) float sums[kTileRows * kCols];
   const int64_t step = kCols * 4;
   if constexpr (kSilu) {
-    alignas(64) float ups[kTileRows * kCols];
-    _tile_stored(0, sums, step);
-    _tile_stored(1, ups, step);
-    emit_silu(sums, ups, rows0, y, N);
+    pending->drain(pending->left);
+    _tile_stored(0, pending->gate[0], step);
+    _tile_stored(1, pending->up[0], step);
     if (rows1 > 0) {
-      _tile_stored(2, sums, step);
-      _tile_stored(3, ups, step);
-      emit_silu(sums, ups, rows1, y + kTileRows * N, N);
+      _tile_stored(2, pending->gate[1], step);
+      _tile_stored(3, pending->up[1], step);
     }
+    pending->y[0] = y, pending->y[1] = y + kTileRows * N, pending->ys = N;
+    pending->rows[0] = rows0, pending->rows[1] = rows1;
+    pending->left = rows0 + rows1, pending->block = pending->row = 0;
     return;
   }
+  alignas(64) float sums[kTileRows * kCols];
   _tile_stored(0, sums, step);
   emit(sums, rows0, bias, y, N, add_to);
   if (W == 2) {
@@ -159,6 +178,7 @@ void product(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, int
   const int64_t ys = kSilu ? N / 2 : N;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     int loaded = -1;  // the (rows0, rows1) the thread's tile config holds
+    SiluRows pending;
     for (int64_t g0 = begin; g0 < end; g0 += group) {
       const int64_t g1 = std::min(end, g0 + group);
       for (int64_t m0 = 0; m0 < M; m0 += 2 * kTileRows) {
@@ -172,7 +192,7 @@ void product(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, int
         for (int64_t q = g0; q < g1; ++q) {
           if constexpr (kSilu) {
             block<2, true>(x + m0 * K, K, rows0, rows1, tiles + q * panel, pairs * panel, nullptr,
-                           y + m0 * ys + q * kCols, ys, false);
+                           y + m0 * ys + q * kCols, ys, false, &pending);
             continue;
           }
           const int64_t p = 2 * q, col = p * kCols;
@@ -186,6 +206,7 @@ void product(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, int
         }
       }
     }
+    pending.drain(pending.left);
     _tile_release();
   });
 }
