@@ -418,18 +418,26 @@ class TileRun : public RunBase<uint16_t, NC, Q> {
       const int64_t len = first_ + pair / g_;
       const float* s = scores_ + pair * stride_;
       uint16_t* out = weights_ + pair * wstride_;
+      // The largest scaled score is the largest score scaled (scaling by scale > 0 keeps the
+      // order, and its rounding too).
+      const int64_t full = len / kLanes * kLanes;
+      const Mask tail = first_lanes(len - full);
       Vec best = set1(-__builtin_inff());
-      const Vec scale = set1(scale_);
-      for (int64_t p = 0; p < len; p += kLanes)
-        best = max_first(best, first_lanes(len - p), mul(loadu(s + p), scale));
-      const Vec top = set1(reduce_max(best));
+      for (int64_t p = 0; p < full; p += kLanes) best = max(best, loadu(s + p));
+      if (tail != 0) best = max_first(best, tail, loadu(s + full));
+      const Vec scale = set1(scale_), top = set1(reduce_max(best) * scale_);
       Vec total = zero();
-      int64_t p = 0;
-      for (; p < len; p += kLanes) {  // lanes past len weigh zero
-        const Mask m = first_lanes(len - p);
-        const __m256i bits = weight_bits(m, sub(mul(load_first(m, s + p), scale), top));
+      for (int64_t p = 0; p < full; p += kLanes) {
+        const __m256i bits = weight_bits(0xFFFF, sub(mul(loadu(s + p), scale), top));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + p), bits);
         total = add(total, widen_bf16(bits));
+      }
+      int64_t p = full;
+      if (tail != 0) {  // lanes past len weigh zero
+        const __m256i bits = weight_bits(tail, sub(mul(load_first(tail, s + p), scale), top));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + p), bits);
+        total = add(total, widen_bf16(bits));
+        p += kLanes;
       }
       std::memset(out + p, 0, (wstride_ - p) * 2);
       totals[pair] = reduce_add(total);
