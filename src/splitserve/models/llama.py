@@ -82,6 +82,18 @@ class Linear(nn.Module):
         """Keep a oneDNN-blocked copy of the weight for ``forward`` (see ``packed_weight``)."""
         self.packed = packed_weight(self.weight)
 
+    def adds_in_place(self, out: torch.Tensor) -> bool:
+        """Whether ``add_forward_`` adds inside the product (AMX tiles, no bias, ``out``
+        contiguous): ``out`` is then read and written once, with no product tensor between."""
+        tiles = self.packed
+        return tiles is not None and tiles.dim() == 4 and self.bias is None and out.is_contiguous()
+
+    def add_forward_(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out += self(x)`` in place, with the bits of that add."""
+        if self.adds_in_place(out):
+            return amx_linear.linear_add_(out, x, self.packed)
+        return out.add_(self(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
@@ -230,6 +242,12 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
+        return self.o_proj(self.attend(x, cos, sin, ctx))
+
+    def attend(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """The heads' outputs ``[T, q_size]``, before the output projection."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
@@ -247,7 +265,7 @@ class Attention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             write_kv(self.k_cache, self.v_cache, k, v, ctx.slot_mapping)
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return out.reshape(t, self.q_size)
 
 
 class MLP(nn.Module):
@@ -265,13 +283,10 @@ class MLP(nn.Module):
 
     def add_forward_(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out += self(x)``, in place (in the down product itself on AMX tiles)."""
-        tiles, down = self._silu_tiles(), self.down_proj.packed
+        tiles = self._silu_tiles()
         if tiles is None:
             return out.add_(self(x))
-        act = amx_linear.silu_linear(x, tiles)
-        if down is not None and down.dim() == 4 and out.is_contiguous():
-            return amx_linear.linear_add_(out, act, down)
-        return out.add_(self.down_proj(act))
+        return self.down_proj.add_forward_(amx_linear.silu_linear(x, tiles), out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tiles = self._silu_tiles()
@@ -297,9 +312,12 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         # x is this forward's own (the embedding or the previous layer's sum): added to in place.
-        h = self.post_attention_layernorm.add_forward_(
-            x, self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        )
+        heads = self.self_attn.attend(self.input_layernorm(x), cos, sin, ctx)
+        o_proj = self.self_attn.o_proj
+        if o_proj.adds_in_place(x):  # the residual add in the product, then the norm alone
+            h = self.post_attention_layernorm(o_proj.add_forward_(heads, x))
+        else:
+            h = self.post_attention_layernorm.add_forward_(x, o_proj(heads))
         return self.mlp.add_forward_(h, x)
 
 
