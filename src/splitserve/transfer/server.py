@@ -135,9 +135,9 @@ class ThreadedKVServer(KVServer):
         except Exception:
             log.exception("KV server: unexpected error on connection from %s", peer)
         finally:
+            ch.close()  # before it leaves the count: an uncounted connection is closed
             with self._lock:
                 self._conns.discard(conn)
-            ch.close()
 
     # ---- requests ------------------------------------------------------------------------
 
