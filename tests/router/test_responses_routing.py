@@ -10,7 +10,7 @@ import secrets
 
 import openai
 import pytest
-from procs import start_worker, stop_group, wait_healthy
+from procs import start_worker, stop_group, wait_healthy_or_restart
 
 from splitserve.router.config import RouterConfig
 from splitserve.router.proxy import DECODE_HEADER
@@ -33,13 +33,14 @@ def keys_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workers(keys_file):
-    started = [
-        start_worker(["--max-model-len", "1024", "--api-keys", str(keys_file)], secret=SECRET)
-        for _ in range(2)
-    ]
+    def start():
+        args = ["--max-model-len", "1024", "--api-keys", str(keys_file)]
+        return start_worker(args, secret=SECRET)
+
+    started = [start() for _ in range(2)]
     try:
-        for url, proc in started:
-            wait_healthy(url, proc)
+        for i, (url, proc) in enumerate(started):
+            started[i] = wait_healthy_or_restart(url, proc, start)  # its port may be taken
         yield [url for url, _ in started]
     finally:
         for _, proc in started:
