@@ -239,15 +239,11 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
-        return self.o_proj(self.attend(x, cos, sin, ctx))
-
     def attend(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        """The heads' outputs ``[T, q_size]``, before the output projection."""
+        """The heads' outputs ``[T, q_size]``, before the output projection (``o_proj``, which
+        the decoder layer applies: inside the residual add where it can)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
