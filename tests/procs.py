@@ -18,6 +18,7 @@ import httpx
 import psutil
 
 from splitserve.cluster.local import die_with_parent, free_port, stop_group
+from splitserve.common.listen import STARTUP_FAILED
 from splitserve.common.tenants import DEFAULT_TENANT, TENANT_HEADER, sign
 
 __all__ = [
@@ -81,12 +82,6 @@ def wait_healthy(
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url} was not healthy after {timeout:.0f}s")
-
-
-# uvicorn's exit code where startup fails, as when its port was taken after free_port chose it
-# (a worker binds only once its model is loaded; another process's outbound connection may take
-# the port as its own in the meantime).
-STARTUP_FAILED = 3
 
 
 def wait_healthy_or_restart(

@@ -206,19 +206,20 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Serve the router until interrupted."""
-    import uvicorn
-
     from splitserve.common.gc_pauses import quiet_gc
+    from splitserve.common.listen import bind_port, serve
     from splitserve.router.app import create_app
     from splitserve.router.server import RouterProtocol
 
     tls = server_files(args.ssl_certfile, args.ssl_keyfile)
-    app = create_app(config_from_args(args))
+    config = config_from_args(args)
+    sock = bind_port(args.host, args.port, "splitserve router")
+    app = create_app(config)
     quiet_gc()
-    uvicorn.run(
+    serve(
         app,
-        host=args.host,
-        port=args.port,
+        sock,
+        "http" if tls is None else "https",
         log_level=args.log_level,
         access_log=False,
         http=RouterProtocol,  # arrival times (the "queued" phase), direct body writes

@@ -5,9 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
-import uvicorn
-
 from splitserve.common.body_limit import DEFAULT_MAX_BODY_BYTES
+from splitserve.common.listen import bind_port, serve
 from splitserve.common.tenants import Tenants
 from splitserve.common.tls import ServerFiles, uvicorn_tls
 from splitserve.config import EngineConfig
@@ -36,7 +35,8 @@ def run_worker(
     access_log: str | None = None,
     access_log_max_bytes: int = 100 * 2**20,
 ) -> None:
-    """Load the model (the port opens only once it is ready), then serve until stopped.
+    """Bind the port, load the model, then serve until stopped (connections are refused until
+    the model is ready, and the port is held meanwhile).
 
     ``disagg`` carries the worker's role and KV-transfer settings (default: collocated);
     ``step_log_dir``, where to log every engine step (``engine/step_log.py``);
@@ -47,6 +47,7 @@ def run_worker(
     disagg = disagg or DisaggConfig()
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+    sock = bind_port(host, port, "splitserve worker")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     # httpx logs every request at INFO (a peer's KV lease, worker.peer): no line per request.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
@@ -87,10 +88,10 @@ def run_worker(
     )
     quiet_gc()
     try:
-        uvicorn.run(
+        serve(
             app,
-            host=host,
-            port=port,
+            sock,
+            "http" if tls is None else "https",
             log_level=log_level,
             access_log=False,  # a log line per request costs throughput; /metrics counts them
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
