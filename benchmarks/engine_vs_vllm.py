@@ -20,7 +20,13 @@ agentic workload of ``make bench-agentic`` at four rates (session goodput). A pe
 not installed, or does not start, is reported with the reason and skipped. The table gives
 each figure and splitserve's ratio to it.
 
+``--repeats N`` runs each workload's deployments N times over, the order reversed every other
+time (A B, B A, A B, ...), so that a host whose speed drifts weighs on both sides alike. A
+cell then gives the mean with the range, and a ratio is the mean of the repeats' ratios (each
+repeat's pair ran next to each other) with their range.
+
     python benchmarks/engine_vs_vllm.py [--duration 60] [--cores 2] [--only D1,D2] [--workloads 0,1]
+        [--repeats 3]
     make bench-peers
 """
 
@@ -89,7 +95,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workloads", default=None, help="comma-separated indexes into WORKLOADS")
     p.add_argument("--out", default="benchmarks/out/peers", help="per-run JSON and the table")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+    p.add_argument("--repeats", type=int, default=1, help="runs per deployment and workload")
+    args = p.parse_args()
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    return args
 
 
 def unavailable(deployment: str) -> str | None:
@@ -113,9 +123,11 @@ def unavailable(deployment: str) -> str | None:
     return None
 
 
-def run_one(args, deployment: str, workload: Workload, index: int, out: Path) -> dict | None:
+def run_one(
+    args, deployment: str, workload: Workload, index: int, out: Path, repeat: int = 0
+) -> dict | None:
     """One ``bench compare`` run of ``deployment`` alone; its summary, or None (reported)."""
-    path = out / f"{deployment}-w{index}.json"
+    path = out / f"{deployment}-w{index}{f'-r{repeat}' if repeat else ''}.json"
     base, extra = VARIANTS.get(deployment, (deployment, []))
     argv = [sys.executable, "-m", "splitserve.cli", "bench", "compare"]
     argv += ["--deployments", base, *extra, "--cores", str(args.cores), *workload.args]
@@ -128,23 +140,38 @@ def run_one(args, deployment: str, workload: Workload, index: int, out: Path) ->
     return json.loads(path.read_text())[0]["summary"]
 
 
+def schedule(deployments: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, deployment) in the order they run: the order reversed every other repeat."""
+    return [
+        (k, d) for k in range(repeats) for d in (deployments if k % 2 == 0 else deployments[::-1])
+    ]
+
+
 def table(results: dict, deployments: list[str], workloads: list[tuple[int, Workload]]) -> str:
+    """``results[(deployment, workload index)]``: the figure of each repeat (None: failed)."""
     peers = [d for d in deployments if d != OURS]
     head = ["workload", "unit", *deployments, *(f"{OURS} / {p}" for p in peers)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, w in workloads:
-        values = {d: results.get((d, i)) for d in deployments}
-        cells = [w.name, w.unit, *(_fmt(values[d]) for d in deployments)]
+        values = {d: results.get((d, i), []) for d in deployments}
+        cells = [w.name, w.unit, *(_spread(values[d], "{:.3g}") for d in deployments)]
         for p in peers:
-            ours, theirs = values.get(OURS), values[p]
-            ok = ours is not None and theirs
-            cells.append(f"{ours / theirs:.2f}x" if ok else "-")
+            pairs = zip(values[OURS] if OURS in values else [], values[p])
+            ratios = [ours / theirs for ours, theirs in pairs if ours is not None and theirs]
+            cells.append(_spread(ratios, "{:.2f}x"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}"
+def _spread(values: list[float | None], fmt: str) -> str:
+    """The mean, and the range where there are several figures: '1.05x (0.98-1.12x)'."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    mean = fmt.format(sum(values) / len(values))
+    if len(values) == 1:
+        return mean
+    return f"{mean} ({fmt.format(min(values)).rstrip('x')}-{fmt.format(max(values))})"
 
 
 def main() -> int:
@@ -162,14 +189,13 @@ def main() -> int:
     skipped = {d: why for d in deployments if (why := unavailable(d))}
     for d, why in skipped.items():
         print(f"-- {d} skipped: {why}", flush=True)
-    results: dict[tuple[str, int], float] = {}
+    running = [d for d in deployments if d not in skipped]
+    results: dict[tuple[str, int], list[float | None]] = {}
     for i, w in workloads:
-        for d in deployments:
-            if d in skipped:
-                continue
-            summary = run_one(args, d, w, i, out)
-            if summary is not None:
-                results[(d, i)] = summary[w.metric]
+        for k, d in schedule(running, args.repeats):
+            summary = run_one(args, d, w, i, out, k)
+            value = None if summary is None else summary[w.metric]
+            results.setdefault((d, i), [None] * args.repeats)[k] = value
     text = table(results, deployments, workloads)
     notes = [f"- {d}: skipped, {why}" for d, why in skipped.items()]
     report = "\n".join([f"CPU: {cpu_description()}", "", text, "", *notes]).rstrip() + "\n"
