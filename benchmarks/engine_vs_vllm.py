@@ -156,7 +156,7 @@ def table(results: dict, deployments: list[str], workloads: list[tuple[int, Work
         values = {d: results.get((d, i), []) for d in deployments}
         cells = [w.name, w.unit, *(_spread(values[d], "{:.3g}") for d in deployments)]
         for p in peers:
-            pairs = zip(values[OURS] if OURS in values else [], values[p])
+            pairs = zip(values[OURS] if OURS in values else [], values[p], strict=False)
             ratios = [ours / theirs for ours, theirs in pairs if ours is not None and theirs]
             cells.append(_spread(ratios, "{:.2f}x"))
         lines.append("| " + " | ".join(cells) + " |")
