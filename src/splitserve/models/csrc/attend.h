@@ -550,6 +550,7 @@ bool tiles_for() {
   return false;
 }
 #endif
+#undef SPLITSERVE_RUN_MEMBERS  // Run and TileRun took their members
 
 template <typename T, int NC>
 void attend(const float* q, int64_t qstride, int64_t nq, int64_t first, const T* kc, const T* vc,
