@@ -36,13 +36,27 @@ def bind_port(host: str, port: int, what: str = "splitserve") -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, saying where it serves once it does (as ``uvicorn.run`` says, which
+    stays silent about sockets it was handed)."""
+
+    def __init__(self, config: uvicorn.Config, url: str) -> None:
+        super().__init__(config)
+        self.url = url
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            log.info("serving on %s", self.url)
+
+
 def serve(app, sock: socket.socket, scheme: str = "http", **config) -> None:
     """Serve ``app`` with uvicorn on ``sock`` (from ``bind_port``) until SIGINT/SIGTERM;
     ``config``: ``uvicorn.Config``'s keyword arguments. Exits with ``STARTUP_FAILED`` where the
     server does not start."""
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **config))
-    log.info("serving on %s://%s:%d", scheme, f"[{host}]" if ":" in host else host, port)
+    url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+    server = _Server(uvicorn.Config(app, host=host, port=port, **config), url)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
