@@ -1,9 +1,9 @@
 """A server's port, bound when its process starts and served once it is ready.
 
-A worker opens its port only after its model is loaded, seconds after its launcher chose a free
-port. Bound early (without listening), the port is held for that time: connections to it are
-refused as before, but no other process, nor the OS picking a source port for an outbound
-connection, can take it."""
+A worker serves only once its model is loaded, seconds after its launcher chose a free port.
+Bound as the process starts (without listening), the port is held meanwhile: connections to it
+are refused until the server is ready, and no other process, nor the OS picking a source port
+for an outbound connection, can take it."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def bind_port(host: str, port: int, what: str = "splitserve") -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, saying where it serves once it does (as ``uvicorn.run`` says, which
-    stays silent about sockets it was handed)."""
+    """uvicorn's server, logging its URL once it serves (uvicorn logs none for a socket it is
+    handed)."""
 
     def __init__(self, config: uvicorn.Config, url: str) -> None:
         super().__init__(config)
