@@ -44,9 +44,11 @@ def start_worker(
     threads: int = 1,
     env: dict | None = None,
     tls: tuple[str, str] | None = None,
+    stderr=None,
 ) -> tuple[str, subprocess.Popen]:
     """Start ``splitserve worker`` on a free port in its own session; returns (url, proc).
-    ``tls``: (certificate file, key file) to serve HTTPS with."""
+    ``tls``: (certificate file, key file) to serve HTTPS with; ``stderr``: where its log goes
+    (``subprocess.Popen``'s argument; this process's stderr by default)."""
     port = free_port()
     argv = [sys.executable, "-m", "splitserve.cli", "worker", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--threads", str(threads), "--log-level", "warning", *args]
@@ -55,7 +57,9 @@ def start_worker(
     full_env = {**os.environ, **(env or {})}
     if secret is not None:
         full_env["SPLITSERVE_KV_SECRET"] = secret
-    proc = subprocess.Popen(argv, env=full_env, start_new_session=True, preexec_fn=die_with_parent)
+    proc = subprocess.Popen(
+        argv, env=full_env, stderr=stderr, start_new_session=True, preexec_fn=die_with_parent
+    )
     return f"{'http' if tls is None else 'https'}://127.0.0.1:{port}", proc
 
 

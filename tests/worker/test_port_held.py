@@ -11,7 +11,7 @@ import sys
 import time
 
 import httpx
-from procs import free_port, stop_group, wait_healthy
+from procs import start_worker, stop_group, wait_healthy
 
 from splitserve.common.listen import STARTUP_FAILED
 
@@ -29,11 +29,8 @@ def _bindable(port: int) -> bool:
 def test_the_port_is_held_from_startup_and_served_once_the_model_is_loaded(tmp_path):
     log = tmp_path / "worker.log"
     with log.open("w") as stderr:
-        port = free_port()
-        argv = [sys.executable, "-m", "splitserve.cli", "worker", "--port", str(port)]
-        argv += ["--threads", "1", "--log-level", "info"]
-        proc = subprocess.Popen(argv, stderr=stderr, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+        url, proc = start_worker(["--log-level", "info"], stderr=stderr)
+    port = int(url.rsplit(":", 1)[1])
     try:
         deadline = time.monotonic() + 60
         while _bindable(port):  # until the worker has bound it

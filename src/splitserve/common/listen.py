@@ -50,13 +50,14 @@ class _Server(uvicorn.Server):
             log.info("serving on %s", self.url)
 
 
-def serve(app, sock: socket.socket, scheme: str = "http", **config) -> None:
+def serve(app, sock: socket.socket, **config) -> None:
     """Serve ``app`` with uvicorn on ``sock`` (from ``bind_port``) until SIGINT/SIGTERM;
-    ``config``: ``uvicorn.Config``'s keyword arguments. Exits with ``STARTUP_FAILED`` where the
-    server does not start."""
+    ``config``: ``uvicorn.Config``'s keyword arguments (HTTPS with its certificate ones). Exits
+    with ``STARTUP_FAILED`` where the server does not start."""
     host, port = sock.getsockname()[:2]
-    url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
-    server = _Server(uvicorn.Config(app, host=host, port=port, **config), url)
+    uconfig = uvicorn.Config(app, host=host, port=port, **config)
+    scheme = "https" if uconfig.is_ssl else "http"
+    server = _Server(uconfig, f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}")
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:

@@ -219,7 +219,6 @@ def run(args: argparse.Namespace) -> int:
     serve(
         app,
         sock,
-        "http" if tls is None else "https",
         log_level=args.log_level,
         access_log=False,
         http=RouterProtocol,  # arrival times (the "queued" phase), direct body writes

@@ -91,7 +91,6 @@ def run_worker(
         serve(
             app,
             sock,
-            "http" if tls is None else "https",
             log_level=log_level,
             access_log=False,  # a log line per request costs throughput; /metrics counts them
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
