@@ -8,7 +8,8 @@
    (weights + KV) over the fastest of three read rates measured in the same run, 1 GiB each: a
    tensor copy (bytes read plus written), a read-only ``torch.sum``, and one row times a
    weight on the engine's panel kernel (a step only reads, and the last two read faster than a
-   copy); in each small-step mode (torch ops, ``SplitGemv``, the fused kernel), alternating.
+   copy), each on huge pages as the engine's weights are; in each small-step mode (torch ops,
+   ``SplitGemv``, the fused kernel), alternating.
 3. Prefill tokens/s vs the measured matmul peak (FLOP/s) in the model's dtype.
 
     python benchmarks/engine_throughput.py [--requests 32] [--hf-batch-sizes 8,32]
@@ -30,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from splitserve import LLM, SamplingParams  # noqa: E402
+from splitserve.models import hugepages  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -108,16 +110,20 @@ def best_time(fn, repeats: int = 5) -> float:
     return best
 
 
+# Every buffer below is on huge pages where the kernel offers them, as the engine's packed
+# weights are (models/hugepages.py): on 4 KiB pages each read rate is lower, and the roofline
+# would flatter the step.
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Bytes moved per second (read + write) by a large tensor copy."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
+    src, dst = hugepages.gather([torch.ones(nbytes // 4, dtype=torch.float32)] * 2)
     return 2 * nbytes / best_time(lambda: dst.copy_(src))
 
 
 def read_bandwidth(nbytes: int = 1 << 30) -> float:
     """Bytes read per second by a large tensor sum."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    (src,) = hugepages.gather([torch.ones(nbytes // 4, dtype=torch.float32)])
     return nbytes / best_time(src.sum)
 
 
@@ -131,7 +137,7 @@ def panel_stream_bandwidth(nbytes: int = 1 << 30) -> float:
     if not panel_linear.available():
         return 0.0
     k = 576
-    panels = panel_linear.pack(torch.ones(nbytes // 4 // k // 16 * 16, k))
+    (panels,) = hugepages.gather([panel_linear.pack(torch.ones(nbytes // 4 // k // 16 * 16, k))])
     x = torch.ones(1, k)
     return panels.numel() * 4 / best_time(lambda: panel_linear.linear(x, panels))
 

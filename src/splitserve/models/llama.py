@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.models import amx_linear, fused_ops, native, panel_linear
+from splitserve.models import amx_linear, fused_ops, hugepages, native, panel_linear
 from splitserve.models.attention import AttentionContext, paged_attention, write_kv
 from splitserve.models.config import ModelConfig
 
@@ -378,6 +378,24 @@ class LlamaForCausalLM(nn.Module):
         # contiguous (``lm_head_t.t()`` would be copied first).
         tied = self.config.tie_word_embeddings
         self.lm_head_packed = packed_weight(self.embed_tokens if tied else self.lm_head_t.t())
+        self._gather_packed()
+
+    def _gather_packed(self) -> None:
+        """Move the panels and tiles (the kernels' own layouts) into one buffer on huge pages,
+        layer by layer, then the output projection (``models.hugepages``)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        owners = [m for m in linears if m.packed is not None and m.packed.dim() in (3, 4)]
+        head = self.lm_head_packed
+        tensors = [m.packed for m in owners]
+        if head is not None and head.dim() in (3, 4):
+            tensors.append(head)
+        if not tensors:
+            return
+        views = hugepages.gather(tensors)
+        for m, view in zip(owners, views[: len(owners)], strict=True):
+            m.packed = view
+        if len(views) > len(owners):
+            self.lm_head_packed = views[-1]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...) into the
