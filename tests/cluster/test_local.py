@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +21,9 @@ from splitserve.cluster.local import (
     WorkerProcess,
     die_with_parent,
     own_disk_dir,
+    worker_argv,
 )
+from splitserve.common.listen import STARTUP_FAILED
 
 # A stand-in worker that starts a child of its own and, optionally, ignores SIGTERM.
 _PARENT = """
@@ -181,3 +184,45 @@ def test_serve_kv_encrypt_reaches_every_pool_worker():
     assert "--kv-encrypt" in Topology(decode=1, kv_encrypt=True).role_args("decode")
     with pytest.raises(ValueError, match="needs pools"):
         Topology(kv_encrypt=True)
+
+
+def _held_port() -> socket.socket:
+    """A port of 127.0.0.1 held by a listening socket, as another process would hold it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def _worker_on(port: int, movable: bool) -> WorkerProcess:
+    argv = worker_argv("127.0.0.1", port, None, ["--threads", "1", "--log-level", "warning"])
+    return WorkerProcess("decode-0", argv, f"http://127.0.0.1:{port}", movable=movable)
+
+
+def test_a_movable_worker_whose_port_was_taken_starts_on_another():
+    with _held_port() as held:
+        taken = held.getsockname()[1]
+        worker = _worker_on(taken, movable=True)
+        deployment = LocalDeployment([worker])
+        try:
+            assert deployment.start(ready_timeout=180, stop=StopFlag())
+            moved = int(worker.argv[worker.argv.index("--port") + 1])
+            assert moved != taken and worker.url == f"http://127.0.0.1:{moved}"
+            assert httpx.get(f"{worker.url}/health", timeout=5).status_code == 200
+        finally:
+            deployment.stop()
+
+
+def test_a_worker_on_a_port_it_was_given_fails_when_the_port_is_taken():
+    with _held_port() as held:
+        taken = held.getsockname()[1]
+        worker = _worker_on(taken, movable=False)
+        deployment = LocalDeployment([worker])
+        try:
+            start = time.monotonic()
+            assert not deployment.start(ready_timeout=180, stop=StopFlag())
+            assert time.monotonic() - start < 60  # at its bind, not after loading the model
+            assert worker.exited() == STARTUP_FAILED
+            assert worker.url == f"http://127.0.0.1:{taken}"
+        finally:
+            deployment.stop()

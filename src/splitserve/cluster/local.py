@@ -21,15 +21,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from splitserve.common.listen import STARTUP_FAILED
 from splitserve.common.tls import client_context
 
 if TYPE_CHECKING:
     pass
 
 POLL_S = 0.2
+MOVES = 3  # new ports a movable worker may try after its first (LocalDeployment.start)
 
 
 @dataclass(slots=True)
@@ -43,6 +46,7 @@ class WorkerProcess:
     proc: subprocess.Popen | None = None
     health_path: str = "/health"  # a peer server without /health names another route
     ca: str | None = None  # an https:// url: the CA its certificate is verified against
+    movable: bool = False  # its --port was picked by the launcher, which may pick another
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -54,6 +58,14 @@ class WorkerProcess:
 
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
+
+    def move(self) -> int:
+        """Point ``--port`` and the URL at another free port of the same host; returns it."""
+        parts = urlsplit(self.url)
+        port = free_port(parts.hostname or "127.0.0.1")
+        self.argv[self.argv.index("--port") + 1] = str(port)
+        self.url = urlunsplit(parts._replace(netloc=f"{parts.hostname}:{port}"))
+        return port
 
     def healthy(self) -> bool:
         return healthy(self.url, self.health_path, self.ca)
@@ -190,14 +202,29 @@ class LocalDeployment:
         self.workers = workers
 
     def start(self, ready_timeout: float, stop: StopFlag | threading.Event) -> bool:
-        """Start every worker and wait until all are healthy; False if one died or timed out."""
+        """Start every worker and wait until all are healthy; False if one died or timed out.
+        A movable worker that found its port taken (another process got it between the
+        launcher's pick and the worker's bind) is started again on another, up to
+        ``MOVES`` times."""
         for w in self.workers:
             w.start()
+        moves = dict.fromkeys(range(len(self.workers)), MOVES)
         deadline = time.monotonic() + ready_timeout
         pending = list(self.workers)
         while pending and time.monotonic() < deadline and not stop.is_set():
-            if any(w.exited() is not None for w in self.workers):
-                return False
+            for i, w in enumerate(self.workers):
+                code = w.exited()
+                if code is None:
+                    continue
+                if code != STARTUP_FAILED or not w.movable or moves[i] == 0:
+                    return False
+                moves[i] -= 1
+                old = w.url
+                print(
+                    f"splitserve: {w.name} could not bind {old}; moving it to port {w.move()}",
+                    file=sys.stderr,
+                )
+                w.start()
             pending = [w for w in pending if not w.healthy()]
             if pending:
                 stop.wait(POLL_S)

@@ -12,7 +12,7 @@ import os
 import secrets
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -150,14 +150,18 @@ def _serve(
     if tls is not None:
         worker_args = [*worker_args, *tls.server_args()]
     if topology.disaggregated:
-        stages = _pools(host, port, model, worker_args, env, topology, tls)
+        builders = _pools(host, port, model, worker_args, env, topology, tls)
     else:
         argv = worker_argv(host, port, model, worker_args)
-        stages = [LocalDeployment([WorkerProcess("worker-0", argv, url, env, ca=_ca(tls))])]
+        worker = WorkerProcess("worker-0", argv, url, env, ca=_ca(tls))
+        builders = [lambda: LocalDeployment([worker])]
     stop = StopFlag()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    stages: list[LocalDeployment] = []
     try:
-        for stage in stages:  # workers first, then the router in front of them
+        for build in builders:  # workers first, then the router in front of them
+            stage = build()
+            stages.append(stage)
             if not stage.start(ready_timeout, stop):
                 if stop.is_set():
                     return 0
@@ -205,15 +209,33 @@ def _pools(
     env: dict[str, str],
     topology: Topology,
     tls: DeploymentTLS | None = None,
-) -> list[LocalDeployment]:
-    """Prefill and decode workers on free ports sharing a fresh cluster secret, and the
-    router on ``port``; ``tls``: everyone serves HTTPS (``worker_args`` carry the flags)."""
+) -> list[Callable[[], LocalDeployment]]:
+    """Builders of two stages: prefill and decode workers on free ports sharing a fresh
+    cluster secret, then the router on ``port``, made once the workers are up (a worker may
+    have moved to another port); ``tls``: everyone serves HTTPS (``worker_args`` carry the
+    flags)."""
     env = {**env, "SPLITSERVE_KV_SECRET": secrets.token_hex(32)}
     router_env = dict(env)
     if topology.engine == "vllm" and "SPLITSERVE_API_KEYS" in env:
         # vLLM knows no tenants: it takes one key, which only the router holds.
         env["SPLITSERVE_API_KEY"] = secrets.token_urlsafe(32)
     workers = pool_workers(host, model, worker_args, env, topology, tls)
+    return [
+        lambda: LocalDeployment(workers),
+        lambda: LocalDeployment([_router(host, port, workers, env, router_env, topology, tls)]),
+    ]
+
+
+def _router(
+    host: str,
+    port: int,
+    workers: list[WorkerProcess],
+    env: dict[str, str],
+    router_env: dict[str, str],
+    topology: Topology,
+    tls: DeploymentTLS | None,
+) -> WorkerProcess:
+    """The router on ``port`` in front of ``workers`` at their URLs now."""
     urls = {
         role: [w.url for w in workers if w.name.startswith(role)] for role in ("prefill", "decode")
     }
@@ -226,8 +248,7 @@ def _pools(
         router_env["SPLITSERVE_WORKER_API_KEY"] = env["SPLITSERVE_API_KEY"]
     argv = router_argv(host, port, urls["prefill"], urls["decode"], router_args)
     url = f"{_scheme(tls)}://{host}:{port}"
-    router = WorkerProcess("router", argv, url, router_env, ca=_ca(tls))
-    return [LocalDeployment(workers), LocalDeployment([router])]
+    return WorkerProcess("router", argv, url, router_env, ca=_ca(tls))
 
 
 def pool_workers(
@@ -254,7 +275,8 @@ def pool_workers(
                 args += ["--kv-port", str(free_port(host))]
             argv = worker_argv(host, wport, model, args, role=topology.worker_role(role))
             url = f"{_scheme(tls)}://{host}:{wport}"
-            workers.append(WorkerProcess(f"{role}-{i}", argv, url, env, ca=_ca(tls)))
+            w = WorkerProcess(f"{role}-{i}", argv, url, env, ca=_ca(tls), movable=True)
+            workers.append(w)
     return workers
 
 

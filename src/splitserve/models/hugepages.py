@@ -2,10 +2,11 @@
 
 A batch-1 decode step streams every weight once, ~270 MB for the default model in bfloat16.
 On 4 KiB pages that is ~70,000 TLB misses a step; on 2 MiB pages a long one-row product reads
-3-6% faster on the AMX Xeon we measured, and a batch-1 step runs ~3.5% faster (docs/engine.md). ``gather`` copies tensors into one buffer whose
-2 MiB-aligned part the kernel is asked to back with huge pages (``MADV_HUGEPAGE`` before the
-first write) and returns views of it. Where the kernel refuses, or the machine is not Linux, the
-copies still work and ``backed`` says how much of the buffer got huge pages.
+3-6% faster on the AMX Xeon we measured, and a batch-1 step runs ~3.5% faster
+(docs/engine.md). ``gather`` copies tensors into one fresh mapping whose 2 MiB-aligned part
+the kernel is asked to back with huge pages (``MADV_HUGEPAGE`` before the first write) and
+returns views of it. Where the kernel refuses, or the machine is not Linux, the copies still
+work and ``backed`` says how much of a mapping got huge pages.
 """
 
 from __future__ import annotations
