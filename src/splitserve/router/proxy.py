@@ -1,22 +1,16 @@
-"""Forwarding one request: placement, the optional prefill leg, retries, streaming relay.
+"""Forwarding one request: placement, the optional prefill leg, the send, streaming relay.
 
-A request may be retried on another worker until its first byte reaches the client: a
-connection error, a 5xx, or a stream that dies before its first chunk all count as the
-worker's failure (its circuit breaker hears of it) and the next candidate is tried. A
-connection the worker closed or reset before answering (most often a kept-alive one it was
-closing as the request went out) is tried once more on the same worker first, over another
-connection, so a lone worker's keep-alive race is not a 502. After
-the first byte the client owns a partial answer, so a streamed request migrates instead: the
-router resumes it on the session's next worker from the tokens already delivered (``resume``,
-``migration``) and the client's stream continues. Only when no worker can take it over does
-the stream end with an SSE error event.
+A request may be retried on another worker until its first byte reaches the client
+(``router.sender``). After the first byte the client owns a partial answer, so a streamed
+request migrates instead: the router resumes it on the session's next worker from the tokens
+already delivered (``resume``, ``migration``) and the client's stream continues. Only when no
+worker can take it over does the stream end with an SSE error event.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from splitserve.common.kv_salts import KVSalts
@@ -26,8 +20,8 @@ from splitserve.router import disagg
 from splitserve.router.body import forwarded
 from splitserve.router.body import parse as parse_body
 from splitserve.router.config import RouterConfig
-from splitserve.router.errors import RouterError, no_worker
-from splitserve.router.forwarding import Forwarding, WorkerFailed
+from splitserve.router.errors import no_worker
+from splitserve.router.forwarding import Forwarding
 from splitserve.router.headers import (  # noqa: F401 (the answer's headers, named here too)
     DECODE_HEADER,
     PREDICTED_HEADER,
@@ -35,7 +29,6 @@ from splitserve.router.headers import (  # noqa: F401 (the answer's headers, nam
     forward_headers,
     reply_headers,
 )
-from splitserve.router.leg import Leg
 from splitserve.router.membership import Membership
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.migration import TOKEN_IDS_FIELD, StreamRelay
@@ -49,13 +42,13 @@ from splitserve.router.policies import RequestInfo, RoutingPolicy
 from splitserve.router.policies.session import SyncedRing
 from splitserve.router.prefetch import PrefetchHints
 from splitserve.router.prefill_leg import PrefillLeg
-from splitserve.router.replies import Buffered, Reply, Streamed
-from splitserve.router.response import Response, UpstreamError, dropped
+from splitserve.router.replies import Reply
 from splitserve.router.response_homes import ChainHomes, previous_not_found
 from splitserve.router.responses_relay import ResponsesLog, ResponsesRelay, unresumable_reason
 from splitserve.router.resume import Resumer
 from splitserve.router.resume_mode import resume_mode
 from splitserve.router.salts import request_salt, salt_for_vllm
+from splitserve.router.sender import Sender
 from splitserve.router.session import (
     chain_key,
     keyed_by_chain,
@@ -71,8 +64,6 @@ from splitserve.router.worker import Worker
 if TYPE_CHECKING:
     from splitserve.router.admission import Admission
     from splitserve.router.prompt_tokens import ChatTokenizer
-
-log = logging.getLogger(__name__)
 
 PEER_FIELD = "kv_peer"  # the worker to pull a moved turn's KV from (worker.peer)
 # What only the router writes: the first two make a worker contact other hosts, ``resume``
@@ -110,7 +101,10 @@ class Proxy:
         )
         self.hints = PrefetchHints(client, self.vouch)
         self.homes = ChainHomes()  # where moved response chains now live (a hint)
-        self.prefill_leg = PrefillLeg(client, self.vouch, metrics, self._failed)
+        self.sender = Sender(
+            config.max_retries, membership, self.policies, client, metrics, self.vouch
+        )
+        self.prefill_leg = PrefillLeg(client, self.vouch, metrics, self.sender.failed)
         self.resumer = Resumer(
             config.max_retries,
             membership,
@@ -118,9 +112,10 @@ class Proxy:
             client,
             metrics,
             self.vouch,
-            self._pick,
-            self._failed,
+            self.sender.pick,
+            self.sender.failed,
         )
+        self.sender.resume = self.resumer.after
 
     async def completion(
         self,
@@ -197,10 +192,10 @@ class Proxy:
         payload = forwarded(raw, body, added, rewrite)
 
         def send(worker: Worker) -> Awaitable[Reply]:
-            return self._send(worker, "POST", path, payload, headers, stream, forwarding)
+            return self.sender.send(worker, "POST", path, payload, headers, stream, forwarding)
 
         def attempt(worker: Worker) -> Awaitable[Reply]:
-            return self._with_retries("decode", forwarding, excluded, worker, send)
+            return self.sender.with_retries("decode", forwarding, excluded, worker, send)
 
         reply = await attempt(decode)
         if responses and previous_not_found(reply):  # the chain moved: ask the others
@@ -217,15 +212,15 @@ class Proxy:
         forwarding = Forwarding(info, None, timeline=timeline, tenant=tenant)
         timeline.parsed = timeline.handler
         excluded: list[str] = []
-        first = self._pick("decode", info, excluded)
+        first = self.sender.pick("decode", info, excluded)
         if first is None:
             raise no_worker("decode")
-        return await self._with_retries(
+        return await self.sender.with_retries(
             "decode",
             forwarding,
             excluded,
             first,
-            lambda w: self._send(w, "GET", "/v1/models", None, headers, False, forwarding),
+            lambda w: self.sender.send(w, "GET", "/v1/models", None, headers, False, forwarding),
         )
 
     def _place(
@@ -292,7 +287,7 @@ class Proxy:
 
     def _next_holder(self, forwarding: Forwarding, excluded: list[str]) -> Worker | None:
         """The next decode worker to ask for a turn's previous response (counted)."""
-        worker = self._pick("decode", forwarding.info, excluded)
+        worker = self.sender.pick("decode", forwarding.info, excluded)
         if worker is not None:
             self.metrics.response_searches.inc()
         return worker
@@ -303,122 +298,6 @@ class Proxy:
             return None
         matched = index.matches([worker.url], info.prompt_token_ids, info.kv_salt, info.model)
         return worker.url, matched[worker.url]
-
-    def _pick(self, role: str, info: RequestInfo, excluded: list[str]) -> Worker | None:
-        worker = self.policies[role].select_worker(self.membership.candidates(role, excluded), info)
-        if worker is not None:
-            excluded.append(worker.url)
-        return worker
-
-    async def _with_retries(
-        self,
-        role: str,
-        forwarding: Forwarding,
-        excluded: list[str],
-        first: Worker,
-        send: Callable[[Worker], Awaitable[Reply]],
-    ) -> Reply:
-        worker: Worker | None = first
-        errors: list[str] = []
-        redialled = False
-        for attempt in range(self.config.max_retries + 1):
-            if worker is None:
-                break
-            if attempt:
-                self.metrics.retries.labels(role).inc()
-            try:
-                return await send(worker)
-            except WorkerFailed as e:
-                errors.append(f"{worker.url}: {e}")
-                if e.dropped and worker.healthy and not redialled:
-                    redialled = True  # the same worker once more, over another connection
-                    continue
-                worker = self._pick(role, forwarding.info, excluded)
-        if not errors:
-            raise no_worker(role)
-        raise RouterError(
-            502, f"every {role} worker tried failed ({'; '.join(errors)})", code="worker_failed"
-        )
-
-    async def _send(
-        self,
-        worker: Worker,
-        method: str,
-        path: str,
-        payload: bytes | None,
-        headers: dict[str, str],
-        stream: bool,
-        forwarding: Forwarding,
-    ) -> Reply:
-        role = "decode"
-        self.metrics.sent(worker.url, role)
-        worker.in_flight += 1
-        started = now()
-        upstream: Response | None = None
-
-        closed = False
-
-        async def close_once() -> None:
-            # Called from the error path, after a full read, or when the relay ends.
-            nonlocal closed
-            if closed:
-                return
-            closed = True
-            if upstream is not None:
-                upstream.release()  # back to the pool when fully read, else closed
-            worker.in_flight -= 1
-            self.policies[role].on_request_complete(worker, forwarding.info)
-
-        try:
-            signed = self.vouch.headers(headers, forwarding.tenant, method, path, payload)
-            upstream = await self.client.request(method, worker.url, path, signed, payload)
-            timeline = forwarding.timeline
-            headers_at = now()
-            self.metrics.latency.observe(headers_at - started)
-            if upstream.status >= 500:
-                raise WorkerFailed(f"HTTP {upstream.status}")
-            if not stream or upstream.status >= 400:
-                content = await upstream.read()
-                self._succeeded(worker, role, forwarding)
-                await close_once()
-                if timeline is not None:
-                    timeline.headers, timeline.upstream_first = headers_at, now()
-                return Buffered(
-                    upstream.status,
-                    reply_headers(upstream, worker, forwarding, headers),
-                    content,
-                    forwarding.info.session_key,
-                )
-            first = await upstream.piece()
-            if not first:
-                raise WorkerFailed("the stream ended before its first byte")
-            if timeline is not None:
-                timeline.headers, timeline.upstream_first = headers_at, now()
-        except (UpstreamError, WorkerFailed) as e:
-            await close_once()
-            self._failed(worker, role, e)
-            if isinstance(e, WorkerFailed):
-                raise
-            raise WorkerFailed(str(e), dropped=upstream is None and dropped(e)) from e
-        self._succeeded(worker, role, forwarding)
-        return Streamed(
-            upstream.status,
-            reply_headers(upstream, worker, forwarding, headers),
-            Leg(first, upstream, forwarding.relay),
-            lambda failure: self.resumer.after(failure, worker, forwarding),
-            close_once,
-            forwarding.info.session_key,
-        )
-
-    def _succeeded(self, worker: Worker, role: str, forwarding: Forwarding) -> None:
-        self.membership.report(worker.url, ok=True)
-        if role == "decode" and forwarding.info.session_key is not None:
-            self.metrics.turn(forwarding.info.session_key, worker.url, forwarding.home)
-
-    def _failed(self, worker: Worker, role: str, error: Exception) -> None:
-        log.warning("%s worker %s failed: %r", role, worker.url, error)
-        self.metrics.failed(worker.url, role)
-        self.membership.report(worker.url, ok=False)
 
     def _forward_headers(self, client_headers: Mapping[str, str]) -> dict[str, str]:
         return forward_headers(client_headers, self.config.worker_api_key)
