@@ -226,3 +226,17 @@ def test_a_worker_on_a_port_it_was_given_fails_when_the_port_is_taken():
             assert worker.url == f"http://127.0.0.1:{taken}"
         finally:
             deployment.stop()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_move_points_the_port_and_the_url_at_a_new_free_port(host):
+    if ":" in host and not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    netloc = f"[{host}]" if ":" in host else host
+    worker = WorkerProcess("decode-0", ["splitserve", "--port", "1", "--x"], f"https://{netloc}:1")
+    try:
+        port = worker.move()
+    except OSError as e:  # an IPv6 stack without a loopback address
+        pytest.skip(f"cannot bind {host}: {e}")
+    assert worker.argv == ["splitserve", "--port", str(port), "--x"]
+    assert worker.url == f"https://{netloc}:{port}" and port != 1

@@ -156,7 +156,7 @@ def test_serve_gives_vllm_workers_a_key_only_the_router_holds_under_a_keys_file(
     args = build_parser().parse_args(["serve", "--engine", "vllm", "--decode", "2"])
     env = {"SPLITSERVE_API_KEYS": str(tmp_path / "keys.json")}
     pools, (router,) = (
-        d.workers for d in _pools("127.0.0.1", 0, None, [], env, serve_topology(args))
+        build().workers for build in _pools("127.0.0.1", 0, None, [], env, serve_topology(args))
     )
     keys = {w.env["SPLITSERVE_API_KEY"] for w in pools}
     assert len(keys) == 1 and len(keys.pop()) >= 32

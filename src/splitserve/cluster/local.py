@@ -62,9 +62,11 @@ class WorkerProcess:
     def move(self) -> int:
         """Point ``--port`` and the URL at another free port of the same host; returns it."""
         parts = urlsplit(self.url)
-        port = free_port(parts.hostname or "127.0.0.1")
+        host = parts.hostname or "127.0.0.1"
+        port = free_port(host)
         self.argv[self.argv.index("--port") + 1] = str(port)
-        self.url = urlunsplit(parts._replace(netloc=f"{parts.hostname}:{port}"))
+        netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.url = urlunsplit(parts._replace(netloc=netloc))
         return port
 
     def healthy(self) -> bool:
@@ -219,9 +221,9 @@ class LocalDeployment:
                 if code != STARTUP_FAILED or not w.movable or moves[i] == 0:
                     return False
                 moves[i] -= 1
-                old = w.url
                 print(
-                    f"splitserve: {w.name} could not bind {old}; moving it to port {w.move()}",
+                    f"splitserve: {w.name} did not start on {w.url} (its port taken, or its "
+                    f"server failed); starting it again on port {w.move()}",
                     file=sys.stderr,
                 )
                 w.start()
