@@ -210,7 +210,7 @@ class LocalDeployment:
         ``MOVES`` times."""
         for w in self.workers:
             w.start()
-        moves = dict.fromkeys(range(len(self.workers)), MOVES)
+        moves = [MOVES] * len(self.workers)  # left, per worker
         deadline = time.monotonic() + ready_timeout
         pending = list(self.workers)
         while pending and time.monotonic() < deadline and not stop.is_set():

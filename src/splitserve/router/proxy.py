@@ -27,7 +27,6 @@ from splitserve.router.headers import (  # noqa: F401 (the answer's headers, nam
     PREDICTED_HEADER,
     PREFILL_HEADER,
     forward_headers,
-    reply_headers,
 )
 from splitserve.router.membership import Membership
 from splitserve.router.metrics import RouterMetrics
